@@ -1,0 +1,32 @@
+"""hf-kvcache: real KV-cache quantization for HuggingFace transformers.
+
+Importing the package registers the `hf_kvcache` attention (and its mask function) in transformers, so
+`attn_implementation="hf_kvcache"` reads the packed cache directly.
+"""
+
+from .attention import ATTENTION_NAME, register as _register_attention
+from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVCache, QuantizedKVLayer
+from .methods.fp8 import QuantizedFP8Cache
+from .methods.int import QuantizedIntCache
+from .models import DEFAULT_MODEL, load_model
+from .presets import PRESETS, describe, make_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTENTION_NAME",
+    "Codec",
+    "DEFAULT_MODEL",
+    "KVHandle",
+    "LayerPolicy",
+    "PRESETS",
+    "QuantizedFP8Cache",
+    "QuantizedIntCache",
+    "QuantizedKVCache",
+    "QuantizedKVLayer",
+    "describe",
+    "load_model",
+    "make_cache",
+]
+
+_register_attention()

@@ -1,0 +1,558 @@
+"""The packed cache core: `QuantizedKVLayer` (one decoder layer) and `QuantizedKVCache` (the model's cache).
+
+A cached token of one layer lives in exactly one of three places, separately for keys and for values (a
+`_Stream` each):
+
+1. sink: the first `sink_tokens` tokens, kept in the model dtype;
+2. packed: codes and scales written by a `Codec`, in blocks of `codec.block_size` tokens, appended in place;
+3. residual: the most recent tokens in the model dtype, at most `residual_length` of them after a flush.
+
+Storage is preallocated and grows geometrically (`_Rows`), so an append costs O(new tokens) amortized; tokens
+leave the residual only to be quantized once, and nothing packed is ever quantized again. The methods in
+`hf_kvcache.methods` choose the policy (codecs, window, sink, flush rule); this module knows none of them.
+
+Two read paths (see DESIGN.md): dense (`update()` returns K/V dequantized to the model dtype, what eager/sdpa
+attention consume) and fused (`update()` returns a `KVHandle` that the registered `hf_kvcache` attention reads
+block by block, never building the full dense K/V).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+
+from . import _compat
+
+# Storage grows by this factor (and at least `_MIN_GROW` rows), so the capacity never exceeds what is held by
+# more than ~25% + a few rows while every row is still copied O(1) times amortized.
+_GROWTH = 1.25
+_MIN_GROW = 64
+# A sliding-window layer keeps this many tokens beyond its window so that `crop` (assisted generation) can roll
+# back a few tokens; trimming happens in bulk, amortized.
+_SLIDING_CROP_MARGIN = 64
+
+
+class Codec(ABC):
+    """How one stream (keys or values) of one layer is stored in the packed place.
+
+    A codec turns blocks of `block_size` consecutive tokens into named fields and back. Every field has the
+    batch and kv-head axes first and one row per block: `encode(x (B, H, T, D)) -> {name: (B, H, T / block_size,
+    *tail)}`. A codec may hold per-sequence state (e.g. a frozen per-head FP8 scale) in `state`, a dict of
+    tensors with the batch axis first, which the layer reorders with the rest on beam search.
+    """
+
+    block_size: int = 1
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`x (B, H, T, D)`, T a multiple of `block_size` -> fields `(B, H, T / block_size, ...)`."""
+
+    @abstractmethod
+    def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Fields `(B, H, n, ...)` -> `(B, H, n * block_size, D)` in `dtype`."""
+
+    def reset(self) -> None:
+        """Forget per-sequence state (a new generation starts)."""
+        self.state = {}
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise a ValueError naming the parameter if this codec cannot store vectors of size `head_dim`."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class _Rows:
+    """Named tensors sharing axis 2 (rows), appended at the end and dropped from the front in O(1) amortized.
+
+    Holds `data[name][:, :, start:end]`; the buffers grow by `_GROWTH` and are compacted (the live rows moved to
+    the front) when more than half of the capacity is dead rows at the front.
+    """
+
+    def __init__(self) -> None:
+        self.data: dict[str, torch.Tensor] | None = None
+        self.start = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def view(self) -> dict[str, torch.Tensor]:
+        if self.data is None:
+            return {}
+        return {k: v[:, :, self.start : self.end] for k, v in self.data.items()}
+
+    def slice(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        return {k: v[:, :, self.start + lo : self.start + hi] for k, v in self.data.items()}
+
+    def append(self, fields: dict[str, torch.Tensor]) -> None:
+        n = next(iter(fields.values())).shape[2]
+        if n == 0:
+            return
+        if self.data is None:
+            cap = max(n, _MIN_GROW)
+            self.data = {
+                k: torch.empty((*v.shape[:2], cap, *v.shape[3:]), dtype=v.dtype, device=v.device)
+                for k, v in fields.items()
+            }
+        cap = next(iter(self.data.values())).shape[2]
+        if self.end + n > cap:
+            live = len(self)
+            if self.start > 0 and live + n <= cap and self.start * 2 >= cap:
+                self._compact(cap)
+            else:
+                self._compact(max(int(math.ceil((live + n) * _GROWTH)), live + n + _MIN_GROW))
+        for k, v in fields.items():
+            self.data[k][:, :, self.end : self.end + n] = v
+        self.end += n
+
+    def _compact(self, capacity: int) -> None:
+        live = len(self)
+        new = {}
+        for k, v in self.data.items():
+            buf = torch.empty((*v.shape[:2], capacity, *v.shape[3:]), dtype=v.dtype, device=v.device)
+            buf[:, :, :live] = v[:, :, self.start : self.end]
+            new[k] = buf
+        self.data, self.start, self.end = new, 0, live
+
+    def drop_front(self, n: int) -> None:
+        self.start += n
+        if len(self) == 0:
+            self.start = self.end = 0
+
+    def drop_back(self, n: int) -> None:
+        self.end -= n
+        if len(self) == 0:
+            self.start = self.end = 0
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-axis operation (index_select, repeat_interleave) to the live rows."""
+        if self.data is None:
+            return
+        self.data = {k: fn(v[:, :, self.start : self.end]).contiguous() for k, v in self.data.items()}
+        self.start, self.end = 0, self.end - self.start
+
+    def nbytes(self) -> int:
+        if self.data is None:
+            return 0
+        return sum(v[:, :, self.start : self.end].numel() * v.element_size() for v in self.data.values())
+
+    def allocated_nbytes(self) -> int:
+        if self.data is None:
+            return 0
+        return sum(v.numel() * v.element_size() for v in self.data.values())
+
+
+class _Stream:
+    """Keys or values of one layer: sink, packed and residual places, and the rule that moves tokens between them.
+
+    `flush="fifo"`: the residual keeps the last `residual_length` tokens; older ones are packed as soon as a whole
+    block of them exists (KIVI's values, and every per-token method with `residual_length=0`).
+    `flush="block"`: the residual fills up to `residual_length` tokens and is then packed all at once (KIVI's keys).
+    """
+
+    def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, flush: str):
+        if flush not in ("fifo", "block"):
+            raise ValueError(f"flush must be 'fifo' or 'block', got {flush!r}")
+        if flush == "block" and (residual_length <= 0 or residual_length % codec.block_size):
+            raise ValueError(
+                f"residual_length={residual_length} must be a positive multiple of the block size "
+                f"{codec.block_size} for a block-flushed stream"
+            )
+        self.codec = codec
+        self.sink_tokens = sink_tokens
+        self.residual_length = residual_length
+        self.flush = flush
+        self.sink = _Rows()
+        self.packed = _Rows()  # rows are blocks of codec.block_size tokens
+        self.residual = _Rows()
+
+    # --- sizes
+    @property
+    def n_sink(self) -> int:
+        return len(self.sink)
+
+    @property
+    def n_packed(self) -> int:
+        return len(self.packed) * self.codec.block_size
+
+    @property
+    def n_residual(self) -> int:
+        return len(self.residual)
+
+    def __len__(self) -> int:
+        return self.n_sink + self.n_packed + self.n_residual
+
+    # --- writing
+    def append(self, x: torch.Tensor, total_before: int) -> None:
+        """Store `x (B, H, T, D)`; `total_before` counts the tokens this stream saw before (sinks are absolute)."""
+        free_sink = max(self.sink_tokens - total_before, 0)
+        if free_sink:
+            self.sink.append({"x": x[:, :, :free_sink]})
+            x = x[:, :, free_sink:]
+        if x.shape[2]:
+            self.residual.append({"x": x})
+        self._flush()
+
+    def _n_to_flush(self) -> int:
+        n, b, r = self.n_residual, self.codec.block_size, self.residual_length
+        if self.flush == "block":
+            return (n // r) * r
+        return max((n - r) // b, 0) * b
+
+    def _flush(self) -> None:
+        n = self._n_to_flush()
+        if n <= 0:
+            return
+        x = self.residual.slice(0, n)["x"]
+        self.packed.append(self.codec.encode(x))
+        self.residual.drop_front(n)
+
+    # --- reading
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """All held tokens, dequantized: `(B, H, S, D)`."""
+        parts = []
+        if self.n_sink:
+            parts.append(self.sink.view()["x"].to(dtype))
+        if len(self.packed):
+            parts.append(self.codec.decode(self.packed.view(), dtype))
+        if self.n_residual:
+            parts.append(self.residual.view()["x"].to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def iter_chunks(self, dtype: torch.dtype, chunk_tokens: int, stop: int) -> Iterator[torch.Tensor]:
+        """Held tokens `[0, stop)` dequantized piece by piece, at most ~`chunk_tokens` at a time: `(B, H, c, D)`.
+
+        The fused path's reference: no tensor ever holds the whole dequantized stream.
+        """
+        pos = 0
+        if self.n_sink and pos < stop:
+            s = self.sink.view()["x"][:, :, : stop - pos].to(dtype)
+            pos += s.shape[2]
+            yield s
+        b = self.codec.block_size
+        n_blocks = len(self.packed)
+        step = max(chunk_tokens // b, 1)
+        for i in range(0, n_blocks, step):
+            if pos >= stop:
+                return
+            j = min(i + step, n_blocks)
+            x = self.codec.decode(self.packed.slice(i, j), dtype)[:, :, : stop - pos]
+            pos += x.shape[2]
+            yield x
+        if self.n_residual and pos < stop:
+            r = self.residual.view()["x"]
+            for i in range(0, min(r.shape[2], stop - pos), chunk_tokens):
+                yield r[:, :, i : min(i + chunk_tokens, stop - pos)].to(dtype)
+
+    # --- bookkeeping
+    def drop_front_tokens(self, n: int) -> None:
+        """Forget the `n` oldest held tokens (sliding windows). Only called with `can_drop_front(n)`."""
+        take = min(n, self.n_sink)
+        self.sink.drop_front(take)
+        n -= take
+        take = min(n, self.n_packed)
+        self.packed.drop_front(take // self.codec.block_size)
+        n -= take
+        self.residual.drop_front(n)
+
+    def can_drop_front(self, n: int) -> bool:
+        n -= min(n, self.n_sink)
+        if n < self.n_packed:
+            return n % self.codec.block_size == 0
+        return n - self.n_packed <= self.n_residual
+
+    def crop(self, n: int, dtype: torch.dtype) -> None:
+        """Remove the `n` newest tokens; a partly removed packed block is unpacked into the residual."""
+        take = min(n, self.n_residual)
+        self.residual.drop_back(take)
+        n -= take
+        if n and len(self.packed):
+            b = self.codec.block_size
+            n_blocks = min(math.ceil(n / b), len(self.packed))
+            lo = len(self.packed) - n_blocks
+            tail = self.codec.decode(self.packed.slice(lo, len(self.packed)), dtype)
+            self.packed.drop_back(n_blocks)
+            removed = min(n, tail.shape[2])
+            keep = tail[:, :, : tail.shape[2] - removed]
+            n -= removed
+            if keep.shape[2]:
+                # The kept tokens go back to the front of the (now empty) residual, in order; they will be
+                # packed again from their dequantized values, the one case where stored tokens are re-encoded.
+                self.residual = _Rows()
+                self.residual.append({"x": keep.to(dtype)})
+        if n:
+            self.sink.drop_back(min(n, self.n_sink))
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for rows in (self.sink, self.packed, self.residual):
+            rows.map_batch(fn)
+        self.codec.state = {k: fn(v) for k, v in self.codec.state.items()}
+
+    def nbytes(self) -> int:
+        state = sum(v.numel() * v.element_size() for v in self.codec.state.values())
+        return self.sink.nbytes() + self.packed.nbytes() + self.residual.nbytes() + state
+
+    def allocated_nbytes(self) -> int:
+        return self.sink.allocated_nbytes() + self.packed.allocated_nbytes() + self.residual.allocated_nbytes()
+
+
+@dataclass
+class KVHandle:
+    """What `update()` returns on the fused path instead of a dense tensor: the layer and which of its held
+    tokens are the `n_new` tokens of this step (given exactly, so prefill can attend to them unquantized)."""
+
+    layer: QuantizedKVLayer
+    stream: str  # "keys" or "values"
+    new: torch.Tensor  # the exact new tokens, (B, H, n_new, D)
+
+    @property
+    def shape(self) -> torch.Size:
+        b, h, _, d = self.new.shape
+        return torch.Size((b, h, self.layer.held_tokens, d))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.new.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.new.device
+
+
+@dataclass
+class LayerPolicy:
+    """What a method decides for one layer: the two codecs and where tokens live."""
+
+    key_codec: Codec
+    value_codec: Codec
+    sink_tokens: int = 0
+    key_residual_length: int = 0
+    value_residual_length: int = 0
+    key_flush: str = "fifo"
+    value_flush: str = "fifo"
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One decoder layer's quantized K/V, stored as sink + packed + residual (see the module docstring).
+
+    Shapes: `update(keys (B, Hkv, T, D), values (B, Hkv, T, D))` returns `(B, Hkv, S, D)` tensors on the dense
+    path (S = tokens held, T of them new), or two `KVHandle`s on the fused path.
+    """
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, policy: LayerPolicy, sliding_window: int | None = None):
+        super().__init__()
+        self.policy = policy
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        # A sliding layer never attends to the first tokens once past its window: sinks would be dead weight.
+        sink = 0 if self.is_sliding else policy.sink_tokens
+        self._streams = {
+            "keys": _Stream(policy.key_codec, sink, policy.key_residual_length, policy.key_flush),
+            "values": _Stream(policy.value_codec, sink, policy.value_residual_length, policy.value_flush),
+        }
+        self.cumulative_length = 0  # tokens ever stored (positions), held or trimmed by the sliding window
+        self.dtype: torch.dtype | None = None
+        self.fused = False  # set by the cache from the model's attn_implementation
+        self.quantize_before_attention = False
+
+    # ------------------------------------------------------------------ CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        for name, x in (("keys", key_states), ("values", value_states)):
+            self._streams[name].codec.check_head_dim(x.shape[-1])
+        self.is_initialized = True
+
+    @property
+    def key_stream(self) -> _Stream:
+        return self._streams["keys"]
+
+    @property
+    def value_stream(self) -> _Stream:
+        return self._streams["values"]
+
+    @property
+    def held_tokens(self) -> int:
+        return len(self._streams["keys"])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for name, x in (("keys", key_states), ("values", value_states)):
+            self._streams[name].append(x, self.cumulative_length)
+        self.cumulative_length += key_states.shape[2]
+        if self.fused:
+            out = (KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states))
+        else:
+            out = (self._dense("keys", key_states), self._dense("values", value_states))
+        self._trim_to_window()
+        return out
+
+    def _dense(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        x = self._streams[name].dense(self.dtype)
+        if not self.quantize_before_attention:
+            # Prefill and decode attend to the exact new tokens, to the stored past (as KIVI, KVQuant, vLLM).
+            x[:, :, x.shape[2] - new.shape[2] :] = new
+        return x
+
+    def iter_kv_chunks(
+        self, k_new: torch.Tensor, v_new: torch.Tensor, chunk_tokens: int = 256
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The held tokens as `(k (B, Hkv, c, D), v (B, Hkv, c, D))` chunks in order, the new ones exact unless
+        `quantize_before_attention`: the fused read path's reference, used by the CPU attention."""
+        n_new = k_new.shape[2]
+        stop = self.held_tokens if self.quantize_before_attention else self.held_tokens - n_new
+        ks = self._streams["keys"].iter_chunks(self.dtype, chunk_tokens, stop)
+        vs = self._streams["values"].iter_chunks(self.dtype, chunk_tokens, stop)
+        # The two streams may be split into places differently (KIVI): re-chunk them to common boundaries.
+        kbuf, vbuf = [], []
+        kn = vn = 0
+        for k in ks:
+            kbuf.append(k)
+            kn += k.shape[2]
+            while vn < kn:
+                v = next(vs)
+                vbuf.append(v)
+                vn += v.shape[2]
+            c = min(kn, vn)
+            kc, vc = torch.cat(kbuf, 2), torch.cat(vbuf, 2)
+            yield kc[:, :, :c], vc[:, :, :c]
+            kbuf, vbuf = [kc[:, :, c:]], [vc[:, :, c:]]
+            kn, vn = kn - c, vn - c
+        if not self.quantize_before_attention and n_new:
+            yield k_new, v_new
+
+    def _trim_to_window(self) -> None:
+        if not self.is_sliding:
+            return
+        keep = self.sliding_window - 1 + _SLIDING_CROP_MARGIN
+        excess = self.held_tokens - keep
+        # Trim in bulk (at least a margin's worth), so the amortized cost per token stays O(1).
+        if excess < _SLIDING_CROP_MARGIN:
+            return
+        n = excess
+        while n > 0 and not all(s.can_drop_front(n) for s in self._streams.values()):
+            n -= 1
+        for s in self._streams.values():
+            s.drop_front_tokens(n)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = self.cumulative_length - self.held_tokens
+        return self.held_tokens + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        for s in self._streams.values():
+            s.codec.reset()
+        self.__init__(self.policy, self.sliding_window)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end. Like transformers: a negative value removes that many tokens, a positive
+        one is the length to keep."""
+        n = -tokens_to_remove if tokens_to_remove < 0 else self.cumulative_length - tokens_to_remove
+        if n <= 0 or not self.is_initialized:
+            return
+        if n > self.held_tokens:
+            raise RuntimeError(
+                f"crop would remove {n} tokens but this sliding-window layer holds only the last "
+                f"{self.held_tokens}; a rollback that deep is not possible"
+            )
+        for s in self._streams.values():
+            s.crop(n, self.dtype)
+        self.cumulative_length -= n
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for s in self._streams.values():
+            s.map_batch(fn)
+
+    def offload(self):
+        raise NotImplementedError("offloading is not supported by hf-kvcache layers")
+
+    def prefetch(self):
+        pass
+
+    # ------------------------------------------------------------------ accounting
+    def nbytes(self) -> int:
+        """Bytes this layer holds: codes, scales, zeros, codec state, residual and sink (live rows only)."""
+        return sum(s.nbytes() for s in self._streams.values())
+
+    def allocated_nbytes(self) -> int:
+        """Bytes allocated, live rows plus preallocated spare capacity."""
+        return sum(s.allocated_nbytes() for s in self._streams.values())
+
+
+class QuantizedKVCache(Cache):
+    """A `transformers.Cache` of `QuantizedKVLayer`s, one per decoder layer, built from the model's config.
+
+    `policy_factory(layer_idx) -> LayerPolicy` gives each layer its codecs and places. Full-attention layers keep
+    every token; sliding-window (and chunked) layers keep their window; layers that share another layer's K/V
+    get transformers' `DummyLayer`. Models with layers that are not attention (Mamba/linear attention) are
+    refused with a ValueError.
+    """
+
+    def __init__(self, config, policy_factory: Callable[[int], LayerPolicy]):
+        self.config = config
+        specs = _compat.layer_specs(config)
+        layers: list = []
+        for idx, spec in enumerate(specs):
+            if spec.kind == "dummy":
+                layers.append(DummyLayer())
+            else:
+                layers.append(QuantizedKVLayer(policy_factory(idx), sliding_window=spec.sliding_window))
+        super().__init__(layers=layers)
+        self.quantize_before_attention = False
+
+    @property
+    def quantize_before_attention(self) -> bool:
+        """Paper protocol: when True, every token attends to quantized K/V, the new ones included."""
+        return self._quantize_before_attention
+
+    @quantize_before_attention.setter
+    def quantize_before_attention(self, value: bool) -> None:
+        self._quantize_before_attention = bool(value)
+        for layer in self.layers:
+            if isinstance(layer, QuantizedKVLayer):
+                layer.quantize_before_attention = self._quantize_before_attention
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, QuantizedKVLayer):
+            layer.fused = _compat.attn_implementation(self.config) == "hf_kvcache"
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer (live rows: codes, scales, zeros, residual, sinks)."""
+        return sum(layer.nbytes() for layer in self.layers if isinstance(layer, QuantizedKVLayer))
+
+    def allocated_nbytes(self) -> int:
+        return sum(layer.allocated_nbytes() for layer in self.layers if isinstance(layer, QuantizedKVLayer))
+
+    def __repr__(self) -> str:
+        n = sum(isinstance(layer, QuantizedKVLayer) for layer in self.layers)
+        return f"{type(self).__name__}(layers={n}, tokens={self.get_seq_length()}, nbytes={self.nbytes()})"

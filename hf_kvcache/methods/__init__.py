@@ -1,0 +1,1 @@
+"""One module per method: a thin policy (codecs, window, sink) over `hf_kvcache.cache`."""

@@ -1,0 +1,130 @@
+"""QuantizedFP8Cache: K/V stored as FP8 (E4M3 or E5M2) bytes with a per-kv-head scale.
+
+Scale modes:
+- `none`: scale 1.0 (the raw cast, clamped);
+- `dynamic` (default): per sequence and kv-head, `amax * headroom / fp8_max` of the first tokens stored in the
+  layer, then frozen: stored bytes are never rescaled, and a later value beyond the frozen range is clamped to
+  the format's maximum (never NaN). The headroom (default 2) keeps later, larger tokens in range; E4M3's
+  normal range spans 2^15, so it costs no precision on small values;
+- `calibrated`: per-layer, per-kv-head scales computed offline (`scales={"k_scale": (L, Hkv), "v_scale": (L, Hkv)}`
+  tensors, or any object with `fp8_scales(layer_idx) -> (k_scale (Hkv,), v_scale (Hkv,))`, such as a
+  calibration artifact).
+
+One byte per element plus a negligible per-head scale: 0.5 of a 16-bit cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..quant import FP8_FORMATS, dequantize_fp8, fp8_scale, quantize_fp8
+from ._common import attention_shape, check_choice, check_nonnegative_int
+
+SCALE_MODES = ("none", "dynamic", "calibrated")
+
+
+class FP8Codec(Codec):
+    """Per-token FP8 bytes: field `codes (B, H, T, D) uint8`; the scale lives in `state["scale"] (B, H, 1, 1)`
+    (dynamic) or in the codec (`(1, H, 1, 1)` calibrated, 1.0 none)."""
+
+    def __init__(self, fmt: str, scale_mode: str, scale: torch.Tensor | None = None, headroom: float = 2.0):
+        super().__init__()
+        self.fmt, self.scale_mode, self.headroom = fmt, scale_mode, headroom
+        self.fixed_scale = None if scale is None else scale.float().reshape(1, -1, 1, 1)
+
+    def _scale(self, x: torch.Tensor | None = None) -> torch.Tensor | float:
+        if self.scale_mode == "none":
+            return 1.0
+        if self.scale_mode == "calibrated":
+            return self.fixed_scale.to(x.device if x is not None else self.fixed_scale.device)
+        if "scale" not in self.state:
+            self.state["scale"] = fp8_scale(x, self.fmt, dims=(2, 3), headroom=self.headroom)
+        return self.state["scale"]
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.fixed_scale is not None and self.fixed_scale.shape[1] != x.shape[1]:
+            raise ValueError(
+                f"calibrated FP8 scales have {self.fixed_scale.shape[1]} kv-heads but the model stores {x.shape[1]}; "
+                "the calibration was made for another model"
+            )
+        return {"codes": quantize_fp8(x, self.fmt, self._scale(x))}
+
+    def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        codes = fields["codes"]
+        scale = self._scale()
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(codes.device)
+        return dequantize_fp8(codes, self.fmt, scale, dtype)
+
+    def describe(self) -> str:
+        return f"fp8 {self.fmt} scale={self.scale_mode}"
+
+
+def _calibrated_scales(scales, num_layers: int, kv_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer `(k_scale (Hkv,), v_scale (Hkv,))` from a mapping of `(L, Hkv)` tensors or a calibration object."""
+    if scales is None:
+        raise ValueError(
+            "scale='calibrated' needs per-head scales: pass scales={'k_scale': (layers, kv_heads), 'v_scale': ...} "
+            "tensors (or a calibration artifact), or use scale='dynamic', which needs no calibration"
+        )
+    if hasattr(scales, "fp8_scales"):
+        return [tuple(t.float() for t in scales.fp8_scales(i)) for i in range(num_layers)]
+    out = []
+    for name in ("k_scale", "v_scale"):
+        t = torch.as_tensor(scales[name]).float()
+        if t.shape != (num_layers, kv_heads):
+            raise ValueError(
+                f"calibrated {name} has shape {tuple(t.shape)} but this model needs ({num_layers}, {kv_heads}) "
+                "(layers, kv-heads); the calibration was made for another model"
+            )
+        if not torch.isfinite(t).all() or (t <= 0).any():
+            raise ValueError(f"calibrated {name} must be finite and positive")
+        out.append(t)
+    return [(out[0][i], out[1][i]) for i in range(num_layers)]
+
+
+class QuantizedFP8Cache(QuantizedKVCache):
+    """FP8 KV cache.
+
+    Args:
+        config: the model's config (`model.config`).
+        fmt: "e4m3" (default: 3 mantissa bits, max 448) or "e5m2" (2 mantissa bits, max 57344).
+        scale: "dynamic" (default), "none" or "calibrated" (needs `scales`).
+        scales: calibrated per-layer per-kv-head scales, see the module docstring.
+        headroom: for dynamic scales, how far beyond the first tokens' amax the range reaches (default 2).
+        sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
+    """
+
+    def __init__(
+        self,
+        config,
+        fmt: str = "e4m3",
+        scale: str = "dynamic",
+        *,
+        scales=None,
+        headroom: float = 2.0,
+        sink_tokens: int = 0,
+        residual_length: int = 0,
+    ):
+        check_choice("fmt", fmt, tuple(FP8_FORMATS))
+        check_choice("scale", scale, SCALE_MODES, "'calibrated' needs scales from a calibration.")
+        check_nonnegative_int("sink_tokens", sink_tokens)
+        check_nonnegative_int("residual_length", residual_length)
+        if not headroom >= 1.0:
+            raise ValueError(f"headroom={headroom!r} must be >= 1")
+        num_layers, kv_heads, _ = attention_shape(config)
+        per_layer = _calibrated_scales(scales, num_layers, kv_heads) if scale == "calibrated" else None
+        self.fmt, self.scale_mode = fmt, scale
+
+        def policy(layer_idx: int) -> LayerPolicy:
+            k, v = per_layer[layer_idx] if per_layer is not None else (None, None)
+            return LayerPolicy(
+                key_codec=FP8Codec(fmt, scale, k, headroom),
+                value_codec=FP8Codec(fmt, scale, v, headroom),
+                sink_tokens=sink_tokens,
+                key_residual_length=residual_length,
+                value_residual_length=residual_length,
+            )
+
+        super().__init__(config, policy)

@@ -1,0 +1,95 @@
+"""QuantizedIntCache: uniform integer K/V, INT8 per-token symmetric or INT4/INT3/INT2 asymmetric groups along
+head_dim.
+
+Per stored token and kv-head, for bits b and group g (`None` = the whole head_dim):
+- codes: `D * b / 8` bytes (packed, see `hf_kvcache.quant.pack_bits`);
+- scale: one fp16 per group; zero: one fp16 per group when asymmetric.
+INT4 g32 is 0.3125 of a 16-bit cache, INT2 g32 0.1875, INT8 per-token (head_dim 64) 0.516.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
+from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
+
+INT_BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128, None)
+
+
+class IntCodec(Codec):
+    """Per-token uniform codes: fields `codes (B, H, T, D*bits/8) uint8`, `scale (B, H, T, D/g) fp16` and, when
+    asymmetric, `zero (B, H, T, D/g) fp16` (the value of code 0)."""
+
+    def __init__(self, bits: int, group_size: int | None, symmetric: bool):
+        super().__init__()
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+
+    def check_head_dim(self, head_dim: int) -> None:
+        check_group_size(self.group_size, head_dim)
+        if head_dim % 8:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack {self.bits}-bit codes")
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        q = quantize_uniform(x, self.bits, axis=-1, group_size=self.group_size, symmetric=self.symmetric)
+        fields = {"codes": pack_bits(q.codes, self.bits), "scale": q.scale}
+        if q.zero is not None:
+            fields["zero"] = q.zero
+        return fields
+
+    def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack_bits(fields["codes"], self.bits)
+        return dequantize_uniform(
+            codes, fields["scale"], fields.get("zero"), self.bits, axis=-1, group_size=self.group_size, dtype=dtype
+        )
+
+    def describe(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        return f"int{self.bits} {kind} group={self.group_size or 'head_dim'}"
+
+
+class QuantizedIntCache(QuantizedKVCache):
+    """Uniform integer KV cache.
+
+    Args:
+        config: the model's config (`model.config`).
+        bits: 8 (per-token symmetric by default), 4, 3 or 2 (asymmetric groups along head_dim by default).
+        group_size: 32, 64, 128 or None (= one group per head vector). Defaults: None for 8 bits, 32 otherwise.
+        symmetric: default True for 8 bits, False otherwise.
+        sink_tokens: first tokens kept in the model dtype (default 0).
+        residual_length: most recent tokens kept in the model dtype (default 0).
+    """
+
+    def __init__(
+        self,
+        config,
+        bits: int = 4,
+        group_size: int | None = -1,
+        *,
+        symmetric: bool | None = None,
+        sink_tokens: int = 0,
+        residual_length: int = 0,
+    ):
+        check_choice("bits", bits, INT_BITS, "INT8 is per-token; 4/3/2 bits are group-wise.")
+        if group_size == -1:
+            group_size = None if bits == 8 else 32
+        check_choice("group_size", group_size, GROUP_SIZES, "None means one group per head vector.")
+        check_nonnegative_int("sink_tokens", sink_tokens)
+        check_nonnegative_int("residual_length", residual_length)
+        _, _, head_dim = attention_shape(config)
+        check_group_size(group_size, head_dim)
+        symmetric = bits == 8 if symmetric is None else bool(symmetric)
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+
+        def policy(layer_idx: int) -> LayerPolicy:
+            return LayerPolicy(
+                key_codec=IntCodec(bits, group_size, symmetric),
+                value_codec=IntCodec(bits, group_size, symmetric),
+                sink_tokens=sink_tokens,
+                key_residual_length=residual_length,
+                value_residual_length=residual_length,
+            )
+
+        super().__init__(config, policy)

@@ -1,0 +1,91 @@
+"""`make_cache(spec, model)`: the one vocabulary of method names shared by the CLI, the evaluation and the README.
+
+A spec is a preset name with optional overrides of its keyword arguments:
+`int4-g32`, `fp8-e4m3:scale=none`, `int4-g64:sink_tokens=4,residual_length=32`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+
+from .methods.fp8 import QuantizedFP8Cache
+from .methods.int import QuantizedIntCache
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named configuration of one method: the class, its keyword arguments and what it is."""
+
+    build: Callable
+    kwargs: dict = field(default_factory=dict)
+    description: str = ""
+
+
+def _dynamic(config, **kwargs):
+    if kwargs:
+        raise ValueError(f"spec 'none' takes no overrides, got {sorted(kwargs)}")
+    return DynamicCache(config=config)
+
+
+PRESETS: dict[str, Preset] = {
+    "none": Preset(_dynamic, {}, "no quantization: transformers' DynamicCache in the model dtype (the baseline)"),
+    "fp8-e4m3": Preset(QuantizedFP8Cache, {"fmt": "e4m3"}, "FP8 E4M3, dynamic per-head scale"),
+    "fp8-e5m2": Preset(QuantizedFP8Cache, {"fmt": "e5m2"}, "FP8 E5M2, dynamic per-head scale"),
+    "int8": Preset(QuantizedIntCache, {"bits": 8}, "INT8 per-token symmetric, fp16 scale"),
+    "int4-g32": Preset(QuantizedIntCache, {"bits": 4, "group_size": 32}, "INT4 asymmetric, groups of 32 along head_dim"),
+    "int4-g64": Preset(QuantizedIntCache, {"bits": 4, "group_size": 64}, "INT4 asymmetric, groups of 64 along head_dim"),
+    "int4-g128": Preset(
+        QuantizedIntCache, {"bits": 4, "group_size": 128}, "INT4 asymmetric, groups of 128 along head_dim"
+    ),
+    "int2-g32": Preset(QuantizedIntCache, {"bits": 2, "group_size": 32}, "INT2 asymmetric, groups of 32 along head_dim"),
+}
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`"name:key=value,key=value"` -> `(name, {key: value})`, values parsed as bool/None/int/float/str."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in PRESETS:
+        raise ValueError(f"unknown cache spec {name!r}; available: {', '.join(PRESETS)}")
+    overrides = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"bad override {item!r} in spec {spec!r}: write key=value, e.g. int4-g32:sink_tokens=4")
+        overrides[key.strip()] = _parse_value(value.strip())
+    return name, overrides
+
+
+def make_cache(spec: str, model, **kwargs):
+    """Build the cache a spec names for `model` (a model or its config). Keyword arguments override the spec's."""
+    name, overrides = parse_spec(spec)
+    preset = PRESETS[name]
+    config = getattr(model, "config", model)
+    merged = {**preset.kwargs, **overrides, **kwargs}
+    try:
+        return preset.build(config, **merged)
+    except TypeError as e:
+        raise ValueError(f"spec {spec!r}: {e}") from e
+
+
+def describe(spec: str) -> str:
+    """One line saying what a spec is."""
+    name, overrides = parse_spec(spec)
+    extra = f" ({', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else ""
+    return PRESETS[name].description + extra

@@ -1,0 +1,1 @@
+"""Triton kernels (installed as `hf_kvcache.kernels`): quantize/pack and fused decode attention over the packed cache."""
