@@ -206,7 +206,7 @@ class _Stream:
         n, b, r = self.n_residual, self.codec.block_size, self.residual_length
         if self.flush == "block":
             return (n // r) * r
-        return max((n - r) // b, 0) * b
+        return max((n - r + 1) // b, 0) * b
 
     def _flush(self) -> None:
         n = self._n_to_flush()
@@ -390,15 +390,15 @@ class QuantizedKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        # Trim before appending, never after: this step's mask was sized by `get_mask_sizes()` from the
+        # trimmed view, and on the fused path the attention reads the layer only after `update()` returns.
+        self._trim_to_window()
         for name, x in (("keys", key_states), ("values", value_states)):
             self._streams[name].append(x, self.cumulative_length)
         self.cumulative_length += key_states.shape[2]
         if self.fused:
-            out = (KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states))
-        else:
-            out = (self._dense("keys", key_states), self._dense("values", value_states))
-        self._trim_to_window()
-        return out
+            return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
+        return self._dense("keys", key_states), self._dense("values", value_states)
 
     def _dense(self, name: str, new: torch.Tensor) -> torch.Tensor:
         x = self._streams[name].dense(self.dtype)
@@ -434,23 +434,30 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.quantize_before_attention and n_new:
             yield k_new, v_new
 
-    def _trim_to_window(self) -> None:
+    def _window_excess(self) -> int:
+        """How many of the oldest held tokens the next `update()` drops before appending (0 if full)."""
         if not self.is_sliding:
-            return
+            return 0
         keep = self.sliding_window - 1 + _SLIDING_CROP_MARGIN
         excess = self.held_tokens - keep
         # Trim in bulk (at least a margin's worth), so the amortized cost per token stays O(1).
         if excess < _SLIDING_CROP_MARGIN:
-            return
+            return 0
         n = excess
         while n > 0 and not all(s.can_drop_front(n) for s in self._streams.values()):
             n -= 1
-        for s in self._streams.values():
-            s.drop_front_tokens(n)
+        return n
+
+    def _trim_to_window(self) -> None:
+        n = self._window_excess()
+        if n:
+            for s in self._streams.values():
+                s.drop_front_tokens(n)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kv_offset = self.cumulative_length - self.held_tokens
-        return self.held_tokens + query_length, kv_offset
+        # Called before `update()`: size the mask from what update() attends to, after its trim.
+        held = self.held_tokens - self._window_excess()
+        return held + query_length, self.cumulative_length - held
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -461,7 +468,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         for s in self._streams.values():
             s.codec.reset()
+        # Forget the sequence, not how it is read: the cache sets these flags once (paper protocol).
+        fused, quantize_before_attention = self.fused, self.quantize_before_attention
         self.__init__(self.policy, self.sliding_window)
+        self.fused, self.quantize_before_attention = fused, quantize_before_attention
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end. Like transformers: a negative value removes that many tokens, a positive
@@ -469,10 +479,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         n = -tokens_to_remove if tokens_to_remove < 0 else self.cumulative_length - tokens_to_remove
         if n <= 0 or not self.is_initialized:
             return
-        if n > self.held_tokens:
+        # A sliding layer that has let its oldest tokens go must still hold the next query's whole window.
+        trimmed = self.held_tokens < self.cumulative_length
+        if n > self.held_tokens or (trimmed and self.held_tokens - n < self.sliding_window - 1):
+            window = f" and must keep the {self.sliding_window - 1} the next query attends to" if trimmed else ""
             raise RuntimeError(
-                f"crop would remove {n} tokens but this sliding-window layer holds only the last "
-                f"{self.held_tokens}; a rollback that deep is not possible"
+                f"crop would remove {n} tokens but this layer holds only the last {self.held_tokens}{window}; "
+                f"a rollback that deep is not possible"
             )
         for s in self._streams.values():
             s.crop(n, self.dtype)

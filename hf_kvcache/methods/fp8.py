@@ -90,7 +90,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
     Args:
         config: the model's config (`model.config`).
         fmt: "e4m3" (default: 3 mantissa bits, max 448) or "e5m2" (2 mantissa bits, max 57344).
-        scale: "dynamic" (default), "none" or "calibrated" (needs `scales`).
+        scale: "dynamic" (default), "none" (or None) or "calibrated" (needs `scales`).
         scales: calibrated per-layer per-kv-head scales, see the module docstring.
         headroom: for dynamic scales, how far beyond the first tokens' amax the range reaches (default 2).
         sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
@@ -108,6 +108,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         residual_length: int = 0,
     ):
         check_choice("fmt", fmt, tuple(FP8_FORMATS))
+        scale = "none" if scale is None else scale  # `fp8-e4m3:scale=none` parses to None
         check_choice("scale", scale, SCALE_MODES, "'calibrated' needs scales from a calibration.")
         check_nonnegative_int("sink_tokens", sink_tokens)
         check_nonnegative_int("residual_length", residual_length)

@@ -5,14 +5,14 @@ a few tens of milliseconds. Weights are drawn from a fixed seed inside `torch.ra
 model neither depends on nor disturbs the caller's RNG. `initializer_range` is 0.1 rather than the usual
 0.02 so that attention is not almost uniform: a quantized cache must then change the logits measurably.
 
-| name    | class              | q heads | kv heads | head_dim | what it exercises                              |
-|---------|--------------------|---------|----------|----------|------------------------------------------------|
-| llama   | LlamaForCausalLM   | 4       | 2        | 64       | GQA, the plain case                            |
-| qwen2   | Qwen2ForCausalLM   | 4       | 2        | 32       | q/k/v bias (drawn N(0, 0.5), not the zero init) |
-| qwen3   | Qwen3ForCausalLM   | 4       | 2        | 128      | QK-norm, head_dim 128                          |
-| mistral | MistralForCausalLM | 4       | 2        | 64       | sliding_window=32 on every layer               |
-| gemma   | Gemma3ForCausalLM  | 4       | 2        | 64       | layers sliding(16) / full / sliding            |
-| mqa     | LlamaForCausalLM   | 4       | 1        | 64       | a single kv head                               |
+| name    | class              | q/kv heads | head_dim | what it exercises                             |
+|---------|--------------------|------------|----------|-----------------------------------------------|
+| llama   | LlamaForCausalLM   | 4 / 2      | 64       | GQA, the plain case                           |
+| qwen2   | Qwen2ForCausalLM   | 4 / 2      | 32       | q/k/v bias drawn N(0, 0.5), not zero-init     |
+| qwen3   | Qwen3ForCausalLM   | 4 / 2      | 128      | QK-norm, head_dim 128                         |
+| mistral | MistralForCausalLM | 4 / 2      | 64       | sliding_window=32 on every layer              |
+| gemma   | Gemma3ForCausalLM  | 4 / 2      | 64       | layers sliding(16) / full / sliding           |
+| mqa     | LlamaForCausalLM   | 4 / 1      | 64       | a single kv head                              |
 
 Which layers transformers treats as sliding (`transformers.cache_utils.get_layer_types_and_kwargs`, which is
 what `DynamicCache(config=...)` and therefore `generate()` use; identical on 5.17 and 5.24):
@@ -156,7 +156,8 @@ def left_padded_batch(
     model: torch.nn.Module, lengths: tuple[int, ...] = (24, 9), pad_id: int = PAD_ID, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A left-padded batch: `input_ids (B, max(lengths))` int64 with `pad_id` before each row's tokens, and
-    `attention_mask (B, max(lengths))` int64 (1 on tokens, 0 on padding). Row `i` holds `lengths[i]` tokens."""
+    `attention_mask (B, max(lengths))` int64 (1 on tokens, 0 on padding). Row `i` holds `lengths[i]`
+    tokens."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
     input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)

@@ -1,0 +1,328 @@
+"""The `hf-kvcache` command.
+
+    hf-kvcache compare            the demo: every basic method on the default model, one table, one plot
+    hf-kvcache eval --methods ... any methods, protocols and sizes (compare is eval with its defaults)
+
+Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
+table. A bad method spec is reported in one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+__all__ = ["BASELINE", "DEFAULT_METHODS", "EvalConfig", "main", "run_eval", "split_methods"]
+
+BASELINE = "none"
+DEFAULT_METHODS = ("none", "fp8-e4m3", "fp8-e5m2", "int8", "int4-g32", "int4-g64", "int2-g32")
+PROTOCOLS = ("stream", "paper", "both")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything a run measures. The defaults are DESIGN.md's (4 windows of 1024 tokens, chunks of 64,
+    128 unscored), so figures compare across runs; `QUICK` shrinks every size for tests."""
+
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    protocol: str = "both"
+    context: int = 1024
+    chunk: int = 64
+    windows: int = 4
+    skip: int = 128
+    text: str | None = None  # None: the dev corpus (pydoc_data.topics)
+    passkey: bool = True
+    passkey_lengths: tuple[int, ...] = (1024, 2048)
+    passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    passkey_trials: int = 1
+    passkey_chunk: int = 256
+    model: str | None = None  # None: the embedded default
+    dtype: str = "auto"
+    device: str | None = None
+    progress: bool = True
+
+
+QUICK = dict(context=128, chunk=32, windows=1, skip=32, passkey_lengths=(256,), passkey_depths=(0.5,),
+             passkey_trials=1, passkey_chunk=64)
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for (bad spec, missing file): one line, exit status 2."""
+
+
+def split_methods(values: list[str]) -> list[str]:
+    """Method specs from `--methods` values, comma- or space-separated. A comma also separates a spec's
+    overrides (`int4-g32:sink_tokens=4,residual_length=32`): a piece holding `=` but no `:` continues the
+    previous spec."""
+    specs: list[str] = []
+    for value in values:
+        for piece in filter(None, (p.strip() for p in value.split(","))):
+            if "=" in piece and ":" not in piece and specs and ":" in specs[-1]:
+                specs[-1] += "," + piece
+            else:
+                specs.append(piece)
+    return specs
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
+
+
+def _tasks_label(cfg: EvalConfig) -> str:
+    parts = [f"ppl{cfg.context}x{cfg.windows}" + ("" if cfg.protocol == "both" else cfg.protocol)]
+    if cfg.passkey:
+        parts.append("passkey")
+    if cfg.text:
+        parts.append("text-" + Path(cfg.text).stem)
+    return "-".join(parts)
+
+
+def _describe(spec: str) -> str:
+    from .presets import describe
+
+    try:
+        return describe(spec)
+    except (ValueError, KeyError) as error:
+        raise UsageError(f"bad method spec {spec!r}: {error}") from error
+
+
+def _factory(spec: str, model):
+    from .presets import make_cache
+
+    def build():
+        return make_cache(spec, model)
+
+    try:  # build one now: a spec that cannot be built fails before any measurement, in one line
+        build()
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        raise UsageError(f"cannot build cache {spec!r}: {error}") from error
+    return build
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_eval(cfg: EvalConfig, *, command: str = "eval", out: str = "results", model=None, tokenizer=None,
+             argv: list[str] | None = None) -> tuple[Path, dict]:
+    """Measure every method of `cfg` and write a results directory under `out`. Returns `(path, metrics)`.
+
+    `model` and `tokenizer` may be given (tests pass tiny ones); otherwise `load_model(cfg.model, ...)`.
+    The baseline `none` is always measured, first, in the same run: every delta is against it.
+    """
+    from .eval import corpus, memory, passkey, perplexity, report
+
+    methods = list(dict.fromkeys(cfg.methods))
+    if BASELINE in methods:
+        methods.remove(BASELINE)
+    methods.insert(0, BASELINE)
+    cfg = replace(cfg, methods=tuple(methods))
+    if cfg.protocol not in PROTOCOLS:
+        raise UsageError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {cfg.protocol!r}")
+    descriptions = {spec: _describe(spec) for spec in methods}  # bad specs fail before the model loads
+
+    if cfg.text:
+        try:
+            text = corpus.load_text(cfg.text)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--text: {error}") from error
+    else:
+        text = corpus.dev_text()
+
+    started = time.perf_counter()
+    if model is None:
+        from .models import load_model
+
+        try:
+            model, tokenizer = load_model(cfg.model, dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+        except (ValueError, ModuleNotFoundError, FileNotFoundError) as error:
+            raise UsageError(str(error)) from error
+    from .models import model_name
+
+    name = model_name(model)
+    load_seconds = time.perf_counter() - started
+    factories = {spec: _factory(spec, model) for spec in methods}
+    tokens = corpus.tokenize_corpus(tokenizer, text)
+    try:
+        perplexity.window_starts(tokens.numel(), cfg.context, cfg.windows)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+    protocols = ["stream", "paper"] if cfg.protocol == "both" else [cfg.protocol]
+    entries = []
+    for spec in methods:
+        factory = factories[spec]
+        entry = {"spec": spec, "description": descriptions[spec]}
+        common = dict(context=cfg.context, windows=cfg.windows, skip=cfg.skip, progress=cfg.progress)
+        if "stream" in protocols:
+            entry["stream"] = perplexity.streaming_perplexity(
+                model, tokens, factory, chunk=cfg.chunk, desc=f"{spec} stream", **common)
+            # The last window's cache was filled chunk by chunk with `context` tokens: that is the memory.
+            last = entry["stream"]["windows"][-1]
+            entry["memory"] = memory.memory_summary(model, last["cache_nbytes"], cfg.context)
+        if "paper" in protocols:
+            entry["paper"] = perplexity.paper_perplexity(model, tokens, factory, desc=f"{spec} paper", **common)
+        if "memory" not in entry:
+            entry["memory"] = memory.bytes_per_token(model, factory, tokens, n_tokens=cfg.context,
+                                                     chunk=cfg.chunk)
+        if cfg.passkey:
+            entry["passkey"] = passkey.passkey_grid(
+                model, tokenizer, factory, cfg.passkey_lengths, cfg.passkey_depths, trials=cfg.passkey_trials,
+                chunk=cfg.passkey_chunk, progress=cfg.progress, desc=f"{spec} passkey")
+        entries.append(entry)
+        _log(_summary_line(entry, entries[0]))
+
+    metrics = {"model": name, "baseline": BASELINE, "methods": entries}
+    config = {
+        "command": command,
+        **{k: v for k, v in asdict(cfg).items() if k != "progress"},
+        "model_name": name,
+        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
+        "corpus": cfg.text or "pydoc_data.topics (dev corpus)",
+        "corpus_tokens": int(tokens.numel()),
+        "descriptions": descriptions,
+        "seconds": {"load": round(load_seconds, 2), "total": round(time.perf_counter() - started, 2)},
+        **report.environment(argv),
+    }
+    dir_name = report.results_dir_name(command, name, _tasks_label(cfg),
+                                       methods=None if command == "compare" or len(methods) > 4 else methods[1:])
+    path = report.write_results(out, dir_name, metrics, config)
+    return path, metrics
+
+
+def _summary_line(entry: dict, baseline: dict) -> str:
+    parts = [f"{entry['spec']}:"]
+    for protocol in ("stream", "paper"):
+        if protocol in entry:
+            ppl, base = entry[protocol]["ppl"], baseline[protocol]["ppl"]
+            parts.append(f"{protocol} ppl {ppl:.3f} ({100 * (ppl - base) / base:+.2f}%)")
+    parts.append(f"{entry['memory']['ratio']:.3f}x bytes")
+    if "passkey" in entry:
+        parts.append(f"passkey {entry['passkey']['accuracy']:.0%}")
+    return "  ".join(parts)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="the embedded default 'smollm2-135m' (default), a local HF model directory or .gguf file")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--out", default="results", help="parent folder of the results directory (default: results/)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice, one per core)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (minutes -> seconds)")
+    parser.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_eval_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
+                        help=f"method specs, comma- or space-separated (default: {','.join(DEFAULT_METHODS)}); "
+                             "the baseline 'none' is always added")
+    parser.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                        help="perplexity protocol: streaming through the cache, paper (quantize before "
+                             "attention), or both (default)")
+    parser.add_argument("--context", type=int, default=None, help="tokens per window (default 1024)")
+    parser.add_argument("--chunk", type=int, default=None, help="tokens per forward when streaming (default 64)")
+    parser.add_argument("--windows", type=int, default=None, help="windows spread over the corpus (default 4)")
+    parser.add_argument("--skip", type=int, default=None, help="unscored tokens at the start of each window (default 128)")
+    parser.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the dev corpus")
+    parser.add_argument("--passkey-lengths", default=None, metavar="L,L",
+                        help="passkey context lengths in tokens (default 1024,2048)")
+    parser.add_argument("--passkey-depths", default=None, metavar="D,D",
+                        help="needle depths, fractions of the context (default 0.1,0.5,0.9)")
+    parser.add_argument("--passkey-trials", type=int, default=None, help="keys per (length, depth) (default 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-kvcache", description="KV-cache quantization for HF transformers")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    compare = sub.add_parser("compare", help="the demo: every basic method on the default model, one table and plot",
+                             description="Streaming and paper-protocol perplexity, passkey retrieval and bytes "
+                                         "per token of " + ", ".join(DEFAULT_METHODS) + " in one run.")
+    _add_common(compare)
+    evaluate = sub.add_parser("eval", help="evaluate any methods: perplexity, passkey, memory")
+    _add_common(evaluate)
+    _add_eval_options(evaluate)
+    return parser
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as error:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from error
+
+
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as error:
+        raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from error
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The resolved config: explicit options over `--quick` over the defaults."""
+    values: dict = dict(QUICK) if args.quick else {}
+    values.update(model=args.model, dtype=args.dtype, device=args.device, passkey=not args.no_passkey,
+                  progress=not args.no_progress)
+    if args.command == "eval":
+        if args.methods is not None:
+            values["methods"] = tuple(split_methods(args.methods))
+        for name in ("protocol", "context", "chunk", "windows", "skip", "text"):
+            if getattr(args, name) is not None:
+                values[name] = getattr(args, name)
+        if args.passkey_lengths is not None:
+            values["passkey_lengths"] = _int_list(args.passkey_lengths, "--passkey-lengths")
+        if args.passkey_depths is not None:
+            values["passkey_depths"] = _float_list(args.passkey_depths, "--passkey-depths")
+        if args.passkey_trials is not None:
+            values["passkey_trials"] = args.passkey_trials
+    cfg = EvalConfig(**values)
+    for name in ("context", "chunk", "windows"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if not 0 <= cfg.skip < cfg.context:
+        raise UsageError(f"--skip must be in [0, context), got {cfg.skip}")
+    if cfg.passkey and not (cfg.passkey_lengths and cfg.passkey_depths):
+        raise UsageError("passkey needs at least one length and one depth (or pass --no-passkey)")
+    if any(not 0 <= d <= 1 for d in cfg.passkey_depths):
+        raise UsageError(f"--passkey-depths are fractions in [0, 1], got {cfg.passkey_depths}")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `hf-kvcache`; returns the exit status (0 ok, 2 usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    full_argv = ["hf-kvcache", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        cfg = config_from_args(args)
+        if args.threads is not None:
+            if args.threads < 1:
+                raise UsageError(f"--threads must be positive, got {args.threads}")
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if args.command in ("compare", "eval"):
+            path, metrics = run_eval(cfg, command=args.command, out=args.out, argv=full_argv)
+    except UsageError as error:
+        print(f"hf-kvcache: error: {error}", file=sys.stderr)
+        return 2
+    from .eval.report import format_table, table_rows
+
+    print(format_table(table_rows(metrics)))
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Evaluation: streaming and paper-protocol perplexity, passkey retrieval, memory, and the results report.
+
+Every function takes a `cache_factory: Callable[[], transformers.Cache]` that returns a fresh cache, so the
+evaluation never needs to know which method it measures; the CLI builds factories from spec strings.
+"""
+
+from .corpus import dev_text, load_text, tokenize_corpus
+from .memory import bytes_per_token, cache_nbytes, reference_bytes_per_token
+from .passkey import passkey_grid
+from .perplexity import paper_perplexity, streaming_perplexity
+
+__all__ = [
+    "bytes_per_token",
+    "cache_nbytes",
+    "dev_text",
+    "load_text",
+    "paper_perplexity",
+    "passkey_grid",
+    "reference_bytes_per_token",
+    "streaming_perplexity",
+    "tokenize_corpus",
+]

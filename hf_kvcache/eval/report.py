@@ -1,0 +1,240 @@
+"""Results directories, the comparison table and the perplexity-vs-memory plot.
+
+A run writes one immutable directory under `--out`, named from its config
+(`compare__smollm2-135m__ppl1024x4-passkey__20261129-101500`; a clash gets a `-2`, `-3`... suffix, so a
+rerun never overwrites), holding
+
+    metrics.json      what was measured, per method (see `METRICS` below)
+    config.json       the resolved config: specs, sizes, model, versions, date, command line
+    table.md          `format_table(table_rows(metrics))`
+    ppl_vs_bytes.png  `plot_ppl_vs_bytes(table_rows(metrics), path)`
+
+The table and plot functions take rows, not directories, so a report over several runs can concatenate
+`table_rows(load_results(d)[0])` of each and reuse them. Deltas are always taken against the baseline of
+the same run (`metrics["baseline"]`), never across runs.
+
+METRICS: `{"model": str, "baseline": spec, "methods": [{"spec", "description", "memory":
+memory_summary, "stream": streaming_perplexity result, "paper": paper_perplexity result, "passkey":
+passkey_grid result}]}`; a method lacks the keys of what was not run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+__all__ = [
+    "create_results_dir",
+    "environment",
+    "format_table",
+    "load_results",
+    "plot_ppl_vs_bytes",
+    "results_dir_name",
+    "safe_label",
+    "table_rows",
+    "write_results",
+]
+
+
+def safe_label(text: str) -> str:
+    """`text` made safe as one part of a directory name: `int4-g32:sink_tokens=4` -> `int4-g32_sink_tokens-4`."""
+    label = re.sub(r"[^A-Za-z0-9.+-]+", "_", text.replace("=", "-")).strip("._")
+    return label[:80] or "x"
+
+
+def results_dir_name(command: str, model: str, tasks: str, methods: list[str] | None = None,
+                     when: _dt.datetime | None = None) -> str:
+    """`command[__methods]__model__tasks__YYYYmmdd-HHMMSS`; `methods` joined by `+` when given."""
+    stamp = (when or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    parts = [command]
+    if methods:
+        parts.append("+".join(safe_label(m) for m in methods))
+    parts += [safe_label(model), safe_label(tasks), stamp]
+    return "__".join(parts)
+
+
+def create_results_dir(out: str | os.PathLike, name: str) -> Path:
+    """Create `out/name` (or `out/name-2`, `-3`, ... if taken) and return it. Creation is the atomic
+    `mkdir`, so two runs started in the same second still get two directories."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = out / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"no free results directory name for {name!r} under {out}")
+
+
+def environment(argv: list[str] | None = None) -> dict:
+    """Versions of torch / transformers / hf_kvcache, the date and the command line, for config.json."""
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command_line": list(sys.argv if argv is None else argv),
+        "versions": {
+            "hf_kvcache": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+        },
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _finite(value):
+    """JSON-safe: NaN and infinities become None (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+
+
+def write_results(out: str | os.PathLike, name: str, metrics: dict, config: dict) -> Path:
+    """Write a new results directory (see the module docstring) and return its path."""
+    path = create_results_dir(out, name)
+    _write_json(path / "metrics.json", metrics)
+    _write_json(path / "config.json", config)
+    rows = table_rows(metrics)
+    (path / "table.md").write_text(format_table(rows) + "\n")
+    plot_ppl_vs_bytes(rows, path / "ppl_vs_bytes.png", title=f"{metrics.get('model', '')}")
+    return path
+
+
+def load_results(path: str | os.PathLike) -> tuple[dict, dict]:
+    """`(metrics, config)` of a results directory."""
+    path = Path(path)
+    return json.loads((path / "metrics.json").read_text()), json.loads((path / "config.json").read_text())
+
+
+def _delta_pct(value, base):
+    if value is None or base is None or not math.isfinite(value) or not math.isfinite(base) or base == 0:
+        return None
+    return 100.0 * (value - base) / base
+
+
+def table_rows(metrics: dict) -> list[dict]:
+    """One row per method: `{"model", "method", "description", "bytes_per_token", "bytes_ratio",
+    "stream_ppl", "stream_delta_pct", "paper_ppl", "paper_delta_pct", "passkey", "passkey_by_length"}`
+    (None where not measured); deltas in % against the run's own baseline."""
+    methods = metrics.get("methods", [])
+    baseline = next((m for m in methods if m["spec"] == metrics.get("baseline")), None)
+
+    def ppl(entry, protocol):
+        result = (entry or {}).get(protocol)
+        return None if result is None else result.get("ppl")
+
+    rows = []
+    for entry in methods:
+        memory, passkey = entry.get("memory") or {}, entry.get("passkey") or {}
+        row = {
+            "model": metrics.get("model"),
+            "method": entry["spec"],
+            "description": entry.get("description", ""),
+            "bytes_per_token": memory.get("bytes_per_token"),
+            "bytes_ratio": memory.get("ratio"),
+            "passkey": passkey.get("accuracy"),
+            "passkey_by_length": passkey.get("by_length", {}),
+        }
+        for protocol in ("stream", "paper"):
+            row[f"{protocol}_ppl"] = ppl(entry, protocol)
+            row[f"{protocol}_delta_pct"] = _delta_pct(row[f"{protocol}_ppl"], ppl(baseline, protocol))
+        rows.append(row)
+    return rows
+
+
+def _length_label(length: str) -> str:
+    n = int(length)
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec) + suffix
+
+
+def format_table(rows: list[dict], *, with_model: bool | None = None) -> str:
+    """A markdown table of `rows` (from `table_rows`, possibly of several runs). Passkey accuracy gets one
+    column per context length present; a model column appears when the rows span several models."""
+    if with_model is None:
+        with_model = len({r.get("model") for r in rows}) > 1
+    lengths = sorted({L for r in rows for L in r.get("passkey_by_length", {})}, key=int)
+    header = (["model"] if with_model else []) + [
+        "method", "bytes/token", "vs 16-bit", "stream ppl", "Δ%", "paper ppl", "Δ%",
+    ] + [f"passkey {_length_label(L)}" for L in lengths]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        cells = ([str(r.get("model") or "-")] if with_model else []) + [
+            f"`{r['method']}`",
+            _fmt(r.get("bytes_per_token"), ".0f"),
+            _fmt(r.get("bytes_ratio"), ".3f", "x"),
+            _fmt(r.get("stream_ppl"), ".3f"),
+            _fmt(r.get("stream_delta_pct"), "+.2f"),
+            _fmt(r.get("paper_ppl"), ".3f"),
+            _fmt(r.get("paper_delta_pct"), "+.2f"),
+        ] + [_fmt(r.get("passkey_by_length", {}).get(L), ".0%") for L in lengths]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> Path:
+    """Scatter of perplexity delta (%) against bytes per token / 16-bit cache, one labelled point per
+    method: filled for the streaming protocol, hollow for the paper protocol. The y axis is symlog, since
+    fp8 moves perplexity by hundredths of a percent and int2 by tens."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.0), dpi=120)
+    try:
+        ax.axhline(0.0, color="0.6", lw=0.8)
+        ax.axvline(1.0, color="0.6", lw=0.8, ls="--", label="16-bit cache")
+        plotted = {"stream": False, "paper": False}
+        for r in rows:
+            x = r.get("bytes_ratio")
+            if x is None:
+                continue
+            for protocol, face in (("stream", "C0"), ("paper", "none")):
+                y = r.get(f"{protocol}_delta_pct")
+                if y is None:
+                    continue
+                ax.scatter([x], [y], s=42, facecolors=face, edgecolors="C0", zorder=3,
+                           label=None if plotted[protocol] else f"{protocol} protocol")
+                plotted[protocol] = True
+            y = r.get("stream_delta_pct", None)
+            y = r.get("paper_delta_pct") if y is None else y
+            if y is not None:
+                label = r["method"] if not r.get("model") or len({q.get("model") for q in rows}) == 1 \
+                    else f"{r['method']} ({r['model']})"
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_xlabel("bytes per token / 16-bit cache")
+        ax.set_ylabel("perplexity change vs 16-bit baseline (%)")
+        ax.set_title(f"perplexity vs KV-cache memory {('- ' + title) if title else ''}".strip())
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return Path(path)

@@ -1,0 +1,14 @@
+"""The method matrix: one row per cache spec, with the easy (preset) and hard (every place in use) overrides.
+Adding a method adds a row here; the smoke tests over every tiny model config pick it up."""
+
+from __future__ import annotations
+
+METHODS: list[tuple[str, dict, dict]] = [
+    ("fp8-e4m3", {}, {"scale": "none", "sink_tokens": 2, "residual_length": 3}),
+    ("fp8-e5m2", {}, {"headroom": 1.0, "residual_length": 8}),
+    ("int8", {}, {"sink_tokens": 3, "residual_length": 5}),
+    ("int4-g32", {}, {"sink_tokens": 1, "residual_length": 16}),
+    ("int2-g32", {}, {"sink_tokens": 4}),
+]
+
+SPECS = [spec for spec, _, _ in METHODS]

@@ -1,0 +1,82 @@
+"""QuantizedFP8Cache: scale modes, clamping, byte accounting and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcache.methods.fp8 import QuantizedFP8Cache
+from hf_kvcache.quant import dequantize_fp8, quantize_fp8
+from tests.helpers.references import feed, outlier_keys, sqnr_db
+from tests.helpers.tiny_models import TINY_CONFIGS
+
+LLAMA = TINY_CONFIGS["llama"]()
+
+
+@pytest.mark.parametrize("fmt,floor_db", [("e4m3", 28.0), ("e5m2", 22.0)])
+@pytest.mark.parametrize("scale", ["none", "dynamic"])
+def test_sqnr_floor(fmt, scale, floor_db):
+    cache = QuantizedFP8Cache(LLAMA, fmt=fmt, scale=scale)
+    cache.quantize_before_attention = True
+    k = outlier_keys(s=64)
+    v = torch.randn_like(k) * 0.003  # small values: below E4M3's smallest normal (2^-6) with scale 1
+    keys, values = feed(cache.layers[0], k, v, [32, 32])
+    assert sqnr_db(k, keys) >= floor_db
+    got = sqnr_db(v, values)
+    if scale == "dynamic":
+        assert got >= floor_db, f"{fmt} dynamic: values SQNR {got:.1f} dB"
+    elif fmt == "e4m3":
+        assert got < floor_db - 10, f"scale 1.0 should lose precision in E4M3's subnormals, got {got:.1f} dB"
+
+
+def test_dynamic_scale_is_frozen_per_head_and_clamps_later_outliers():
+    cache = QuantizedFP8Cache(LLAMA, fmt="e4m3", scale="dynamic", headroom=2.0)
+    layer = cache.layers[0]
+    k = torch.randn(2, 2, 8, 64)
+    feed(layer, k, k, [8])
+    scale = layer.key_stream.codec.state["scale"]
+    assert scale.shape == (2, 2, 1, 1)
+    torch.testing.assert_close(scale, k.abs().amax(dim=(2, 3), keepdim=True) * 2 / 448)
+    huge = torch.full((2, 2, 1, 64), 1e6)
+    cache.quantize_before_attention = True
+    keys, _ = layer.update(huge, huge)
+    assert torch.isfinite(keys).all()
+    torch.testing.assert_close(keys[:, :, -1:], (448 * scale).expand(2, 2, 1, 64))
+    assert torch.equal(layer.key_stream.codec.state["scale"], scale)  # never rescaled
+
+
+def test_calibrated_scales_are_used_per_layer_and_head():
+    k_scale = torch.tensor([[0.01, 0.02], [0.03, 0.04], [0.05, 0.06]])
+    v_scale = k_scale * 10
+    cache = QuantizedFP8Cache(LLAMA, scale="calibrated", scales={"k_scale": k_scale, "v_scale": v_scale})
+    cache.quantize_before_attention = True
+    x = torch.randn(1, 2, 4, 64)
+    keys, values = feed(cache.layers[2], x, x, [4])
+    s = k_scale[2].view(1, 2, 1, 1)
+    torch.testing.assert_close(keys, dequantize_fp8(quantize_fp8(x, "e4m3", s), "e4m3", s))
+    s = v_scale[2].view(1, 2, 1, 1)
+    torch.testing.assert_close(values, dequantize_fp8(quantize_fp8(x, "e4m3", s), "e4m3", s))
+
+
+def test_bytes_per_token_is_half():
+    cache = QuantizedFP8Cache(LLAMA)
+    for layer in cache.layers:
+        feed(layer, torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64), [512])
+    sixteen_bit = 2 * 2 * 3 * 2 * 64 * 512
+    assert cache.nbytes() / sixteen_bit == pytest.approx(0.5, abs=0.002)  # + the per-head scales
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(fmt="e3m4"), "fmt='e3m4'"),
+        (dict(scale="per-token"), "scale='per-token'"),
+        (dict(scale="calibrated"), "scale='calibrated' needs per-head scales"),
+        (dict(scale="calibrated", scales={"k_scale": torch.ones(3, 4), "v_scale": torch.ones(3, 4)}), "another model"),
+        (dict(scale="calibrated", scales={"k_scale": -torch.ones(3, 2), "v_scale": torch.ones(3, 2)}), "positive"),
+        (dict(headroom=0.5), "headroom"),
+    ],
+)
+def test_bad_parameters_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizedFP8Cache(LLAMA, **kwargs)

@@ -1,0 +1,101 @@
+"""The registered `hf_kvcache` attention: the fused read path (handles, chunked reference attention) gives what
+the dense path gives, with padding, GQA/MQA, sliding windows and QK-norm, and never builds the dense cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import hf_kvcache
+from hf_kvcache import _compat, make_cache
+from hf_kvcache.cache import _Stream
+from tests.helpers.methods import METHODS
+from tests.helpers.tiny_models import TINY_CONFIGS, left_padded_batch, tiny_model
+
+SIZES = [17, 1, 1, 9, 1, 1]
+
+
+def _teacher_forced(model, ids, mask, cache):
+    out, pos = [], 0
+    with torch.inference_mode():
+        for n in SIZES:
+            out.append(
+                model(
+                    input_ids=ids[:, pos : pos + n], attention_mask=mask[:, : pos + n], use_cache=True,
+                    **_compat.cache_kwargs(cache),
+                ).logits
+            )
+            pos += n
+    return torch.cat(out, 1)
+
+
+def test_attention_and_mask_are_registered():
+    assert hf_kvcache.ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS
+    assert hf_kvcache.ATTENTION_NAME in ALL_MASK_ATTENTION_FUNCTIONS
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=[m[0] for m in METHODS])
+def test_fused_equals_dense(spec, easy, hard, name, monkeypatch):
+    dense_model, fused_model = tiny_model(name), tiny_model(name, attn_implementation="hf_kvcache")
+    ids, mask = left_padded_batch(dense_model, lengths=(sum(SIZES), 12))
+    dense = _teacher_forced(dense_model, ids, mask, make_cache(spec, dense_model, **hard))
+    # On the fused path nothing may build a layer's full dense K/V.
+    monkeypatch.setattr(_Stream, "dense", lambda *a, **k: pytest.fail("dense K/V built on the fused path"))
+    fused = _teacher_forced(fused_model, ids, mask, make_cache(spec, fused_model, **hard))
+    valid = mask.bool()[:, : fused.shape[1]]
+    diff = (fused[valid] - dense[valid]).abs()
+    # Summation order differs (chunked online softmax vs SDPA), ~1e-6; a later layer can round a new token's
+    # code the other way at 2 bits, so a few logits may move by more: bound the mean tightly, the max loosely.
+    assert diff.mean() < 1e-4 and diff.max() < 5e-3, f"mean {diff.mean():.2e} max {diff.max():.2e}"
+
+
+@pytest.mark.parametrize("name", ["llama", "mqa", "qwen3"])
+def test_reference_attention_equals_sdpa_on_the_same_cache(name):
+    """One layer, identical stored K/V: the chunked reference over handles equals SDPA over the dense read."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny_model(name)
+    attn = model.model.layers[0].self_attn
+    hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn.head_dim
+    cache = make_cache("int4-g32:sink_tokens=2,residual_length=8", model)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, hkv, 300, d, generator=g), torch.randn(2, hkv, 300, d, generator=g)
+    layer.update(k[:, :, :290], v[:, :, :290])
+    mask = torch.ones(2, 1, 10, 300, dtype=torch.bool).tril(290)
+    mask[1, :, :, :37] = False  # row 1 left-padded
+    q = torch.randn(2, hq, 10, d, generator=g)
+    layer.fused = False
+    dense_k, dense_v = layer.update(k[:, :, 290:], v[:, :, 290:])
+    want, _ = sdpa_attention_forward(attn, q, dense_k, dense_v, mask, scaling=d**-0.5)
+    layer.crop(-10)
+    layer.fused = True
+    hk, hv = layer.update(k[:, :, 290:], v[:, :, 290:])
+    for chunk in (1, 7, 256):
+        got = hf_kvcache.attention.reference_attention(q, hk, hv, mask, d**-0.5, chunk_tokens=chunk)
+        torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+
+
+def test_other_caches_pass_through_to_sdpa():
+    """With `attn_implementation="hf_kvcache"` and a DynamicCache, results are exactly SDPA's."""
+    sdpa, ours = tiny_model("gemma"), tiny_model("gemma", attn_implementation="hf_kvcache")
+    ids, mask = left_padded_batch(sdpa, lengths=(sum(SIZES), 5))
+    a = _teacher_forced(sdpa, ids, mask, DynamicCache(config=sdpa.config))
+    b = _teacher_forced(ours, ids, mask, DynamicCache(config=ours.config))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["int8", "int4-g32"])
+def test_default_model_greedy_fused_equals_dense(spec, default_model, default_model_fused):
+    (dense_model, tok), (fused_model, _) = default_model, default_model_fused
+    batch = tok(["The three primary colors are", "Water boils at a temperature of"], return_tensors="pt", padding=True)
+    outs = []
+    for model in (dense_model, fused_model):
+        cache = make_cache(spec, model)
+        outs.append(model.generate(**batch, max_new_tokens=24, do_sample=False, **_compat.cache_kwargs(cache)))
+    assert torch.equal(outs[0], outs[1])
