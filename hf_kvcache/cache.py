@@ -206,7 +206,7 @@ class _Stream:
         n, b, r = self.n_residual, self.codec.block_size, self.residual_length
         if self.flush == "block":
             return (n // r) * r
-        return max((n - r + 1) // b, 0) * b
+        return max((n - r) // b, 0) * b
 
     def _flush(self) -> None:
         n = self._n_to_flush()

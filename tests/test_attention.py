@@ -91,11 +91,38 @@ def test_other_caches_pass_through_to_sdpa():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["int8", "int4-g32"])
-def test_default_model_greedy_fused_equals_dense(spec, default_model, default_model_fused):
+def test_default_model_fused_follows_dense(spec, default_model, default_model_fused):
+    """The dense path's greedy continuation, teacher-forced through both paths on the default model: the fused
+    path picks the same token wherever the choice is not a near-tie.
+
+    Exact token equality is too strict here: the two paths sum in different orders (~1e-5 in the logits), a
+    later layer then rounds some new token's code differently, and over 30 layers that grows to ~0.1 in the
+    logits; with a lossless codec the two paths agree to 3e-5 at every step (tests/test_cache.py covers that).
+    """
     (dense_model, tok), (fused_model, _) = default_model, default_model_fused
     batch = tok(["The three primary colors are", "Water boils at a temperature of"], return_tensors="pt", padding=True)
-    outs = []
-    for model in (dense_model, fused_model):
-        cache = make_cache(spec, model)
-        outs.append(model.generate(**batch, max_new_tokens=24, do_sample=False, **_compat.cache_kwargs(cache)))
-    assert torch.equal(outs[0], outs[1])
+    seq = dense_model.generate(**batch, max_new_tokens=24, do_sample=False, **_compat.cache_kwargs(make_cache(spec, dense_model)))
+    n0 = batch.input_ids.shape[1]
+    mask = torch.cat([batch.attention_mask, torch.ones(2, seq.shape[1] - n0, dtype=torch.long)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+    logits = []
+    for model, cache_spec in ((dense_model, spec), (fused_model, spec), (dense_model, "none")):
+        cache = make_cache(cache_spec, model)
+        steps = [(0, n0)] + [(t, t + 1) for t in range(n0, seq.shape[1] - 1)]
+        with torch.inference_mode():
+            logits.append(torch.stack([
+                model(
+                    input_ids=seq[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b],
+                    **_compat.cache_kwargs(cache),
+                ).logits[:, -1]
+                for a, b in steps
+            ], 1))
+    dense, fused, exact = logits
+    assert torch.equal(dense.argmax(-1), seq[:, n0:])  # the teacher-forced dense path is the greedy one
+    top2 = dense.topk(2, -1).values
+    margin = top2[..., 0] - top2[..., 1]
+    differ = fused.argmax(-1) != dense.argmax(-1)
+    assert (margin[differ] < 0.2).all(), f"fused path changed a clear choice: margins {margin[differ].tolist()}"
+    # The paths differ by far less than what quantization itself changes.
+    path, quantization = (fused - dense).abs().mean(), (dense - exact).abs().mean()
+    assert path < 0.5 * quantization, f"fused vs dense {path:.4f}, quantized vs exact {quantization:.4f}"

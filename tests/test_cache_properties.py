@@ -1,0 +1,348 @@
+"""Stateful property test of `QuantizedKVLayer`'s bookkeeping against a trivially correct model.
+
+Hypothesis drives one layer (no model) through random sequences of `update`, `crop`, `reorder_cache`,
+`batch_select_indices`, `batch_repeat_interleave` and `reset`, on random layouts (block sizes, sinks, residual
+lengths, FIFO or block flushes, sliding windows). The codec is lossless, so the reference is simply every token
+ever stored, keys and values as `(B, H, S, D)` tensors, and every comparison is exact.
+
+Channel 0 of every token holds its serial number (the same in every batch row and head), so the test can tell
+which tokens the codec encoded: a token is encoded once when it leaves the residual, and again only if a crop cut
+into its packed block and put it back into the residual.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import hf_kvcache.cache as cache_module
+from hf_kvcache.cache import KVHandle, LayerPolicy, QuantizedKVLayer
+from tests.helpers.lossless import LosslessCodec
+
+D = 8
+MAX_BATCH = 6  # batch_repeat_interleave may grow the batch up to this
+STREAMS = ("keys", "values")
+
+
+@st.composite
+def layouts(draw) -> dict:
+    """A layer layout: block sizes, sinks, residual lengths, flush rules and sliding window."""
+
+    def stream(prefix: str) -> dict:
+        block = draw(st.sampled_from([1, 2, 4]), label=f"{prefix}_block")
+        flush = draw(st.sampled_from(["fifo", "block"]), label=f"{prefix}_flush")
+        if flush == "block":  # a positive multiple of the block size
+            residual = block * draw(st.integers(1, 9 // block), label=f"{prefix}_residual_blocks")
+        else:
+            residual = draw(st.integers(0, 9), label=f"{prefix}_residual")
+        return {f"{prefix}_block": block, f"{prefix}_flush": flush, f"{prefix}_residual": residual}
+
+    return {
+        **stream("key"),
+        **stream("value"),
+        "sink_tokens": draw(st.integers(0, 3), label="sink_tokens"),
+        "sliding_window": draw(st.one_of(st.none(), st.integers(5, 20)), label="sliding_window"),
+    }
+
+
+def _flushed(n_residual: int, residual_length: int, block: int, flush: str) -> int:
+    """Tokens the flush rule moves from a residual of `n_residual` tokens to the packed place (the _Stream spec)."""
+    if flush == "block":
+        return (n_residual // residual_length) * residual_length
+    return max((n_residual - residual_length) // block, 0) * block
+
+
+class LayerMachine(RuleBasedStateMachine):
+    """One `QuantizedKVLayer` with lossless codecs, and `self.model`: every token ever stored, per stream."""
+
+    # ------------------------------------------------------------------ setup
+    @initialize(
+        layout=layouts(),
+        batch=st.integers(2, 3),
+        heads=st.integers(1, 2),
+        seed=st.integers(0, 2**16),
+        # The sliding layer trims in bulk once it holds a margin's worth beyond its window (64 in the library);
+        # small margins make windows trim (and crops reach their limit) within a 30-step sequence.
+        margin=st.sampled_from([1, 2, 3, 8, cache_module._SLIDING_CROP_MARGIN]),
+        quantize_before_attention=st.booleans(),
+    )
+    def build(self, layout, batch, heads, seed, margin, quantize_before_attention):
+        self.saved_margin = cache_module._SLIDING_CROP_MARGIN
+        cache_module._SLIDING_CROP_MARGIN = margin
+        self.layout = layout
+        self.window = layout["sliding_window"]
+        self.codecs = {"keys": LosslessCodec(layout["key_block"]), "values": LosslessCodec(layout["value_block"])}
+        self.encoded = {name: Counter() for name in STREAMS}  # serial -> times encoded
+        self.repacks = {name: Counter() for name in STREAMS}  # serial -> times a crop unpacked it again
+        for name, codec in self.codecs.items():
+            original = codec.encode
+
+            def counting(x, original=original, counter=self.encoded[name]):
+                counter.update(int(s) for s in x[0, 0, :, 0].tolist())
+                return original(x)
+
+            codec.encode = counting
+        policy = LayerPolicy(
+            self.codecs["keys"],
+            self.codecs["values"],
+            sink_tokens=layout["sink_tokens"],
+            key_residual_length=layout["key_residual"],
+            value_residual_length=layout["value_residual"],
+            key_flush=layout["key_flush"],
+            value_flush=layout["value_flush"],
+        )
+        self.layer = QuantizedKVLayer(policy, sliding_window=self.window)
+        self.quantize_before_attention = quantize_before_attention
+        self.layer.quantize_before_attention = quantize_before_attention
+        self.heads = heads
+        self.gen = torch.Generator().manual_seed(seed)
+        self.serial = 0
+        self._clear(batch)
+
+    def teardown(self):
+        if hasattr(self, "saved_margin"):
+            cache_module._SLIDING_CROP_MARGIN = self.saved_margin
+
+    def _clear(self, batch: int) -> None:
+        self.ops_since_reset = 0
+        self.model = {name: torch.zeros(batch, self.heads, 0, D) for name in STREAMS}  # (B, H, S, D)
+        # Exact places (sink, packed, residual) per stream; full layers only (a window trims when it chooses).
+        self.places = None if self.window else {name: [0, 0, 0] for name in STREAMS}
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def batch(self) -> int:
+        return self.model["keys"].shape[0]
+
+    @property
+    def total(self) -> int:
+        return self.model["keys"].shape[2]
+
+    def _stream(self, name: str):
+        return self.layer.key_stream if name == "keys" else self.layer.value_stream
+
+    def _spec(self, name: str) -> tuple[int, int, str]:
+        p = "key" if name == "keys" else "value"
+        return self.layout[f"{p}_residual"], self.layout[f"{p}_block"], self.layout[f"{p}_flush"]
+
+    def _new_tokens(self, t: int) -> torch.Tensor:
+        x = torch.randn(self.batch, self.heads, t, D, generator=self.gen)
+        x[..., 0] = torch.arange(self.serial, self.serial + t, dtype=torch.float32)
+        return x
+
+    def _serials(self, lo: int, hi: int) -> list[int]:
+        """Serial numbers of held tokens [lo, hi) (0 = the oldest held)."""
+        start = self.total - self.layer.held_tokens
+        return [int(s) for s in self.model["keys"][0, 0, start + lo : start + hi, 0].tolist()]
+
+    # ------------------------------------------------------------------ operations
+    @rule(t=st.integers(1, 12), fused=st.booleans(), chunk=st.integers(1, 7))
+    def update(self, t, fused, chunk):
+        self._update(t, fused, chunk)
+
+    @rule(fused=st.booleans(), chunk=st.integers(1, 7))
+    def decode(self, fused, chunk):
+        """One token, generation's common case (a second update rule also makes long sequences likelier)."""
+        self._update(1, fused, chunk)
+
+    def _update(self, t: int, fused: bool, chunk: int) -> None:
+        self.ops_since_reset += 1
+        layer = self.layer
+        held_before, total_before = layer.held_tokens, self.total
+        kv_len, offset = layer.get_mask_sizes(t)  # what transformers sizes this step's mask from
+        residual_before = {name: self._stream(name).n_residual for name in STREAMS}
+        k_new = self._new_tokens(t)
+        v_new = -self._new_tokens(t)
+        v_new[..., 0] = k_new[..., 0]  # the same serials in both streams
+        self.serial += t
+        layer.fused = fused
+        out = layer.update(k_new, v_new)
+        layer.fused = False
+        if layer.held_tokens < held_before + t:
+            event("update: the window let tokens go")
+        for name, x in zip(STREAMS, (k_new, v_new)):
+            self.model[name] = torch.cat([self.model[name], x], dim=2)
+
+        assert offset + kv_len == self.total, (kv_len, offset, self.total)
+        if not self.window:
+            assert (kv_len, offset) == (held_before + t, 0)
+        expected = [self.model[name][:, :, offset : offset + kv_len] for name in STREAMS]
+        if fused:
+            for handle, name, new in zip(out, STREAMS, (k_new, v_new)):
+                assert isinstance(handle, KVHandle) and handle.stream == name and handle.new is new
+                assert handle.shape == (self.batch, self.heads, kv_len, D)
+            chunks = list(layer.iter_kv_chunks(k_new, v_new, chunk_tokens=chunk))
+            for k, v in chunks:
+                assert k.shape[2] == v.shape[2] > 0, [(k.shape, v.shape) for k, v in chunks]
+            got = [torch.cat([c[i] for c in chunks], dim=2) for i in (0, 1)]
+        else:
+            got = list(out)
+        for g, e, name in zip(got, expected, STREAMS):
+            assert g.shape == e.shape, (name, g.shape, e.shape)
+            assert torch.equal(g, e), name
+
+        for name in STREAMS:
+            stream = self._stream(name)
+            residual_length, block, flush = self._spec(name)
+            bound = residual_length if flush == "block" else residual_length + block
+            assert stream.n_residual < bound, (name, stream.n_residual, bound)
+            if self.places is not None:
+                s, p, r = self.places[name]
+                into_sink = min(max(self.layout["sink_tokens"] - total_before, 0), t)
+                s, r = s + into_sink, r + t - into_sink
+                assert r == residual_before[name] + t - into_sink
+                moved = _flushed(r, residual_length, block, flush)
+                self.places[name] = [s, p + moved, r - moved]
+
+    @precondition(lambda self: self.total > 0)
+    @rule(data=st.data(), as_length=st.booleans())
+    def crop(self, data, as_length):
+        self.ops_since_reset += 1
+        layer = self.layer
+        n = data.draw(st.integers(1, min(self.total, 12)), label="n")
+        held, total = layer.held_tokens, self.total
+        # A rollback is possible while what remains still covers the window of the next query.
+        possible = not self.window or held - n >= min(total - n, self.window - 1)
+        packed_before = {name: set(self._serials(self._stream(name).n_sink, self._stream(name).n_sink
+                                                 + self._stream(name).n_packed)) for name in STREAMS}
+        arg = total - n if as_length else -n
+        if not possible:
+            event("crop: refused")
+            with pytest.raises(RuntimeError):
+                layer.crop(arg)
+            return
+        layer.crop(arg)
+        for name in STREAMS:
+            self.model[name] = self.model[name][:, :, : total - n]
+            stream = self._stream(name)
+            _, block, _ = self._spec(name)
+            # Tokens of a packed block the crop cut into are back in the residual (fewer than a block), to be
+            # encoded again later.
+            residual = self._serials(stream.n_sink + stream.n_packed, layer.held_tokens)
+            unpacked = [s for s in residual if s in packed_before[name]]
+            assert len(unpacked) < block, (name, unpacked)
+            if unpacked:
+                event("crop: unpacked part of a block")
+            self.repacks[name].update(unpacked)
+            if self.places is not None:
+                s, p, r = self.places[name]
+                m = n
+                take = min(m, r)
+                r, m = r - take, m - take
+                if m and p:
+                    tail = min(math.ceil(m / block), p // block) * block
+                    removed = min(m, tail)
+                    p, r, m = p - tail, r + tail - removed, m - removed
+                self.places[name] = [s - min(m, s), p, r]
+
+    @rule(kind=st.sampled_from(["reorder", "select", "repeat"]), data=st.data())
+    def batch_op(self, kind, data):
+        """Beam search's reorder, and the batch selection / expansion of contrastive search and generate()."""
+        self.ops_since_reset += 1
+        b = self.batch
+        if kind == "reorder":
+            idx = data.draw(st.lists(st.integers(0, b - 1), min_size=b, max_size=b), label="beam_idx")
+            self.layer.reorder_cache(torch.tensor(idx))
+        elif kind == "select":
+            idx = data.draw(st.lists(st.integers(0, b - 1), min_size=1, max_size=b), label="indices")
+            self.layer.batch_select_indices(torch.tensor(idx))
+        else:
+            repeats = data.draw(st.integers(1, max(MAX_BATCH // b, 1)), label="repeats")
+            self.layer.batch_repeat_interleave(repeats)
+        for name in STREAMS:
+            x = self.model[name]
+            self.model[name] = x.repeat_interleave(repeats, dim=0) if kind == "repeat" else x[idx]
+
+    # A sequence runs a few operations before it may be reset: windows need some tokens before they trim.
+    @precondition(lambda self: self.ops_since_reset >= 8)
+    @rule(batch=st.integers(2, 3))
+    def reset(self, batch):
+        self.layer.reset()
+        self._clear(batch)
+        # Resetting forgets the sequence, not how the layer reads it.
+        assert self.layer.quantize_before_attention == self.quantize_before_attention
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def lengths_and_window(self):
+        layer, total = self.layer, self.total
+        assert layer.get_seq_length() == total
+        held = layer.held_tokens
+        assert held <= total
+        for name in STREAMS:
+            assert len(self._stream(name)) == held
+        if self.window:
+            assert held >= min(total, self.window - 1), (held, total, self.window)
+            assert layer.key_stream.n_sink == 0  # sinks are dead weight on a sliding layer
+        else:
+            assert held == total
+            assert layer.key_stream.n_sink == min(self.layout["sink_tokens"], total)
+
+    @invariant()
+    def mask_sizes(self):
+        layer, total, held = self.layer, self.total, self.layer.held_tokens
+        for q in (1, 5):
+            kv_len, offset = layer.get_mask_sizes(q)
+            if not self.window:
+                assert (kv_len, offset) == (held + q, total - held)
+            else:
+                # A sliding layer may let its oldest tokens go before the next append: the mask covers what the
+                # next update() will return, never less than the window.
+                assert kv_len - q + offset == total, (kv_len, offset, total)
+                assert min(total, self.window - 1) <= kv_len - q <= held, (kv_len, held, total)
+
+    @invariant()
+    def stored_tokens_are_exact(self):
+        held = self.layer.held_tokens
+        if held == 0:
+            return
+        for name in STREAMS:
+            got = self._stream(name).dense(torch.float32)
+            expected = self.model[name][:, :, self.total - held :]
+            assert got.shape == expected.shape, (name, got.shape, expected.shape)
+            assert torch.equal(got, expected), name
+
+    @invariant()
+    def places(self):
+        if self.places is None:
+            return
+        for name in STREAMS:
+            stream = self._stream(name)
+            got = [stream.n_sink, stream.n_packed, stream.n_residual]
+            assert got == self.places[name], (name, got, self.places[name])
+
+    @invariant()
+    def each_token_encoded_once_unless_a_crop_unpacked_it(self):
+        for name in STREAMS:
+            stream = self._stream(name)
+            encoded, repacks = self.encoded[name], self.repacks[name]
+            s, p = stream.n_sink, stream.n_packed
+            for serial in self._serials(0, s):
+                assert encoded[serial] == 0, (name, "sink", serial)
+            for serial in self._serials(s, s + p):
+                assert encoded[serial] == 1 + repacks[serial], (name, "packed", serial, encoded[serial])
+            for serial in self._serials(s + p, self.layer.held_tokens):
+                assert encoded[serial] == repacks[serial], (name, "residual", serial, encoded[serial])
+            # Nothing outside the model's tokens was ever encoded, and nothing more often than allowed.
+            assert all(0 <= k < self.serial and c <= 1 + repacks[k] for k, c in encoded.items())
+
+    @invariant()
+    def nbytes_count_held_tokens(self):
+        per_token = self.batch * self.heads * D * 4  # float32
+        assert self.layer.nbytes() == 2 * per_token * self.layer.held_tokens
+        assert self.layer.allocated_nbytes() >= self.layer.nbytes()
+
+
+LayerMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestQuantizedKVLayer = LayerMachine.TestCase
