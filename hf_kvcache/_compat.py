@@ -9,10 +9,17 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import transformers
 from transformers.cache_utils import get_layer_types_and_kwargs
+
+try:  # 5.24: layers whose K/V another layer produces get a DummyLayer
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # 5.17: such layers are simply left out of the cache's layer list
+    DummyLayer = None
 
 TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
@@ -65,19 +72,28 @@ def attn_implementation(config) -> str | None:
     return getattr(text_config(config), "_attn_implementation", None)
 
 
-def _takes_cache_argument() -> bool:
-    # The rename shows in the models' forward signatures (generate takes it through **kwargs on both).
-    import inspect
+@functools.cache
+def forward_parameters(model_class: type) -> tuple[str, bool]:
+    """`(name of the cache argument, whether logits_to_keep is accepted)` for a model class's forward.
 
+    Feature detection, not a version check: transformers 5.24 renamed the forward argument `past_key_values` to
+    `cache` (the old name warns); 5.17 only knows `past_key_values`.
+    """
+    params = inspect.signature(model_class.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
+
+
+def _llama_class() -> type:
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    return "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+    return LlamaForCausalLM
 
 
-CACHE_ARGUMENT = "cache" if _takes_cache_argument() else "past_key_values"
+CACHE_ARGUMENT = forward_parameters(_llama_class())[0]
 
 
-def cache_kwargs(cache) -> dict:
-    """`{"cache": cache}` on transformers that renamed the argument (5.24), else `{"past_key_values": cache}`;
-    for `model(...)` and `model.generate(...)`."""
-    return {CACHE_ARGUMENT: cache}
+def cache_kwargs(cache, model=None) -> dict:
+    """`{"cache": cache}` where the model's forward takes that name (5.24), else `{"past_key_values": cache}`;
+    for `model(...)` and `model.generate(...)`. Without a model, what Llama takes on this transformers."""
+    name = forward_parameters(type(model))[0] if model is not None else CACHE_ARGUMENT
+    return {name: cache}

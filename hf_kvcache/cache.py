@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import _compat
 
@@ -535,7 +535,7 @@ class QuantizedKVCache(Cache):
         layers: list = []
         for idx, spec in enumerate(specs):
             if spec.kind == "dummy":
-                layers.append(DummyLayer())
+                layers.append(_compat.DummyLayer())
             else:
                 layers.append(QuantizedKVLayer(policy_factory(idx), sliding_window=spec.sliding_window))
         super().__init__(layers=layers)

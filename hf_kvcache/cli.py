@@ -46,8 +46,16 @@ class EvalConfig:
     progress: bool = True
 
 
-QUICK = dict(context=128, chunk=32, windows=1, skip=32, passkey_lengths=(256,), passkey_depths=(0.5,),
-             passkey_trials=1, passkey_chunk=64)
+QUICK = {
+    "context": 128,
+    "chunk": 32,
+    "windows": 1,
+    "skip": 32,
+    "passkey_lengths": (256,),
+    "passkey_depths": (0.5,),
+    "passkey_trials": 1,
+    "passkey_chunk": 64,
+}
 
 
 class UsageError(Exception):
@@ -109,8 +117,15 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_eval(cfg: EvalConfig, *, command: str = "eval", out: str = "results", model=None, tokenizer=None,
-             argv: list[str] | None = None) -> tuple[Path, dict]:
+def run_eval(
+    cfg: EvalConfig,
+    *,
+    command: str = "eval",
+    out: str = "results",
+    model=None,
+    tokenizer=None,
+    argv: list[str] | None = None,
+) -> tuple[Path, dict]:
     """Measure every method of `cfg` and write a results directory under `out`. Returns `(path, metrics)`.
 
     `model` and `tokenizer` may be given (tests pass tiny ones); otherwise `load_model(cfg.model, ...)`.
@@ -159,22 +174,34 @@ def run_eval(cfg: EvalConfig, *, command: str = "eval", out: str = "results", mo
     for spec in methods:
         factory = factories[spec]
         entry = {"spec": spec, "description": descriptions[spec]}
-        common = dict(context=cfg.context, windows=cfg.windows, skip=cfg.skip, progress=cfg.progress)
+        common = {"context": cfg.context, "windows": cfg.windows, "skip": cfg.skip, "progress": cfg.progress}
         if "stream" in protocols:
             entry["stream"] = perplexity.streaming_perplexity(
-                model, tokens, factory, chunk=cfg.chunk, desc=f"{spec} stream", **common)
+                model, tokens, factory, chunk=cfg.chunk, desc=f"{spec} stream", **common
+            )
             # The last window's cache was filled chunk by chunk with `context` tokens: that is the memory.
             last = entry["stream"]["windows"][-1]
             entry["memory"] = memory.memory_summary(model, last["cache_nbytes"], cfg.context)
         if "paper" in protocols:
-            entry["paper"] = perplexity.paper_perplexity(model, tokens, factory, desc=f"{spec} paper", **common)
+            entry["paper"] = perplexity.paper_perplexity(
+                model, tokens, factory, desc=f"{spec} paper", **common
+            )
         if "memory" not in entry:
-            entry["memory"] = memory.bytes_per_token(model, factory, tokens, n_tokens=cfg.context,
-                                                     chunk=cfg.chunk)
+            entry["memory"] = memory.bytes_per_token(
+                model, factory, tokens, n_tokens=cfg.context, chunk=cfg.chunk
+            )
         if cfg.passkey:
             entry["passkey"] = passkey.passkey_grid(
-                model, tokenizer, factory, cfg.passkey_lengths, cfg.passkey_depths, trials=cfg.passkey_trials,
-                chunk=cfg.passkey_chunk, progress=cfg.progress, desc=f"{spec} passkey")
+                model,
+                tokenizer,
+                factory,
+                cfg.passkey_lengths,
+                cfg.passkey_depths,
+                trials=cfg.passkey_trials,
+                chunk=cfg.passkey_chunk,
+                progress=cfg.progress,
+                desc=f"{spec} passkey",
+            )
         entries.append(entry)
         _log(_summary_line(entry, entries[0]))
 
@@ -191,8 +218,12 @@ def run_eval(cfg: EvalConfig, *, command: str = "eval", out: str = "results", mo
         "seconds": {"load": round(load_seconds, 2), "total": round(time.perf_counter() - started, 2)},
         **report.environment(argv),
     }
-    dir_name = report.results_dir_name(command, name, _tasks_label(cfg),
-                                       methods=None if command == "compare" or len(methods) > 4 else methods[1:])
+    dir_name = report.results_dir_name(
+        command,
+        name,
+        _tasks_label(cfg),
+        methods=None if command == "compare" or len(methods) > 4 else methods[1:],
+    )
     path = report.write_results(out, dir_name, metrics, config)
     return path, metrics
 
@@ -210,44 +241,88 @@ def _summary_line(entry: dict, baseline: dict) -> str:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="the embedded default 'smollm2-135m' (default), a local HF model directory or .gguf file")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the embedded default 'smollm2-135m' (default), a local HF model directory or .gguf file",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("--out", default="results", help="parent folder of the results directory (default: results/)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice, one per core)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (minutes -> seconds)")
+    parser.add_argument(
+        "--out", default="results", help="parent folder of the results directory (default: results/)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice, one per core)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, for a smoke test (minutes -> seconds)"
+    )
     parser.add_argument("--no-passkey", action="store_true", help="skip passkey retrieval")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _add_eval_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
-                        help=f"method specs, comma- or space-separated (default: {','.join(DEFAULT_METHODS)}); "
-                             "the baseline 'none' is always added")
-    parser.add_argument("--protocol", choices=PROTOCOLS, default=None,
-                        help="perplexity protocol: streaming through the cache, paper (quantize before "
-                             "attention), or both (default)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help=f"method specs, comma- or space-separated (default: {','.join(DEFAULT_METHODS)}); "
+        "the baseline 'none' is always added",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default=None,
+        help="perplexity protocol: streaming through the cache, paper (quantize before "
+        "attention), or both (default)",
+    )
     parser.add_argument("--context", type=int, default=None, help="tokens per window (default 1024)")
-    parser.add_argument("--chunk", type=int, default=None, help="tokens per forward when streaming (default 64)")
-    parser.add_argument("--windows", type=int, default=None, help="windows spread over the corpus (default 4)")
-    parser.add_argument("--skip", type=int, default=None, help="unscored tokens at the start of each window (default 128)")
-    parser.add_argument("--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the dev corpus")
-    parser.add_argument("--passkey-lengths", default=None, metavar="L,L",
-                        help="passkey context lengths in tokens (default 1024,2048)")
-    parser.add_argument("--passkey-depths", default=None, metavar="D,D",
-                        help="needle depths, fractions of the context (default 0.1,0.5,0.9)")
-    parser.add_argument("--passkey-trials", type=int, default=None, help="keys per (length, depth) (default 1)")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="tokens per forward when streaming (default 64)"
+    )
+    parser.add_argument(
+        "--windows", type=int, default=None, help="windows spread over the corpus (default 4)"
+    )
+    parser.add_argument(
+        "--skip", type=int, default=None, help="unscored tokens at the start of each window (default 128)"
+    )
+    parser.add_argument(
+        "--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the dev corpus"
+    )
+    parser.add_argument(
+        "--passkey-lengths",
+        default=None,
+        metavar="L,L",
+        help="passkey context lengths in tokens (default 1024,2048)",
+    )
+    parser.add_argument(
+        "--passkey-depths",
+        default=None,
+        metavar="D,D",
+        help="needle depths, fractions of the context (default 0.1,0.5,0.9)",
+    )
+    parser.add_argument(
+        "--passkey-trials", type=int, default=None, help="keys per (length, depth) (default 1)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kvcache", description="KV-cache quantization for HF transformers")
+    parser = argparse.ArgumentParser(
+        prog="hf-kvcache", description="KV-cache quantization for HF transformers"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    compare = sub.add_parser("compare", help="the demo: every basic method on the default model, one table and plot",
-                             description="Streaming and paper-protocol perplexity, passkey retrieval and bytes "
-                                         "per token of " + ", ".join(DEFAULT_METHODS) + " in one run.")
+    compare = sub.add_parser(
+        "compare",
+        help="the demo: every basic method on the default model, one table and plot",
+        description="Streaming and paper-protocol perplexity, passkey retrieval and bytes "
+        "per token of " + ", ".join(DEFAULT_METHODS) + " in one run.",
+    )
     _add_common(compare)
     evaluate = sub.add_parser("eval", help="evaluate any methods: perplexity, passkey, memory")
     _add_common(evaluate)
@@ -272,8 +347,13 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     """The resolved config: explicit options over `--quick` over the defaults."""
     values: dict = dict(QUICK) if args.quick else {}
-    values.update(model=args.model, dtype=args.dtype, device=args.device, passkey=not args.no_passkey,
-                  progress=not args.no_progress)
+    values.update(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        passkey=not args.no_passkey,
+        progress=not args.no_progress,
+    )
     if args.command == "eval":
         if args.methods is not None:
             values["methods"] = tuple(split_methods(args.methods))
@@ -317,10 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"hf-kvcache: error: {error}", file=sys.stderr)
         return 2
-    from .eval.report import format_table, table_rows
+    from .eval.report import TABLE_NOTE, format_table, table_rows
 
     print(format_table(table_rows(metrics)))
-    print(f"\nresults: {path}")
+    print(f"\n{TABLE_NOTE}\nresults: {path}")
     return 0
 
 

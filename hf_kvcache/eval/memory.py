@@ -29,8 +29,10 @@ def cache_nbytes(cache) -> int:
         return int(cache.nbytes())
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        return sum(_tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
-                   for layer in layers)
+        return sum(
+            _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+            for layer in layers
+        )
     raise TypeError(f"cannot measure a {type(cache).__name__}: it has neither nbytes() nor layers")
 
 

@@ -6,9 +6,9 @@ first attends to stored K/V, then the answer is decoded token by token from the 
 forward over the prompt would never read the cache, and the test would say nothing about quantization.
 
 The haystack is made here from a few fixed filler sentences (no external data, same text every run). With
-the model's chat template (when it has one) the question goes in a user turn and the assistant turn is
-opened with "The pass key is", which makes the tiny default model answer with the number instead of a
-description of what a pass key is.
+the model's chat template (when it has one) the instruction, haystack and question go in one user turn and
+the assistant turn is opened with "The pass key is", so the tiny default model answers with the number
+rather than a description of what a pass key is.
 """
 
 from __future__ import annotations
@@ -34,11 +34,14 @@ FILLER = (
     "There and back again.",
 )
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+# Wording measured on the default model (SmolLM2-135M-Instruct, 16-bit cache, 1 key per cell, depths
+# 0/0.25/0.5/0.75/1): 100% at 1k, 2k and 4k tokens, 60% at 8k. The common "There is a pass key hidden
+# inside a lot of irrelevant text ... What is the pass key?" fails at depth 0.1 of 2k: the model answers
+# that a pass key is "a magical item"; saying it is a five-digit number fixes that.
 INSTRUCTION = (
-    "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the pass key."
+    "Below is a long text with a pass key (a five-digit number) hidden in it. Memorize the pass key."
 )
-QUESTION = "What is the pass key?"
+QUESTION = "What is the pass key (the five-digit number)?"
 ANSWER_PREFIX = "The pass key is"
 
 
@@ -74,11 +77,16 @@ def _render(tokenizer, haystack: str, chat: bool) -> str:
     user = f"{INSTRUCTION}\n\n{haystack}\n\n{QUESTION}"
     if chat:
         messages = [{"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + ANSWER_PREFIX
+        return (
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            + ANSWER_PREFIX
+        )
     return f"{user}\n{ANSWER_PREFIX}"
 
 
-def make_prompt(tokenizer, length: int, depth: float, key: str | int, *, chat: bool | None = None) -> PasskeyPrompt:
+def make_prompt(
+    tokenizer, length: int, depth: float, key: str | int, *, chat: bool | None = None
+) -> PasskeyPrompt:
     """A prompt of about `length` tokens (within one filler sentence) with the needle after a fraction
     `depth` (0..1) of the haystack's sentences. `chat=None` uses the chat template when the tokenizer
     has one."""
@@ -116,7 +124,10 @@ def make_prompt(tokenizer, length: int, depth: float, key: str | int, *, chat: b
 
 def _stop_ids(tokenizer, model) -> set[int]:
     ids = set()
-    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for source in (
+        tokenizer.eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
@@ -196,15 +207,25 @@ def passkey_grid(
                 results = []
                 for trial in range(trials):
                     prompt = make_prompt(tokenizer, length, depth, _key(seed, length, depth, trial))
-                    results.append(passkey_trial(model, tokenizer, cache_factory(), prompt, chunk=chunk,
-                                                 max_new_tokens=max_new_tokens))
+                    results.append(
+                        passkey_trial(
+                            model,
+                            tokenizer,
+                            cache_factory(),
+                            prompt,
+                            chunk=chunk,
+                            max_new_tokens=max_new_tokens,
+                        )
+                    )
                     bar.update(1)
-                cells.append({
-                    "length": int(length),
-                    "depth": float(depth),
-                    "accuracy": sum(r["success"] for r in results) / len(results),
-                    "trials": results,
-                })
+                cells.append(
+                    {
+                        "length": int(length),
+                        "depth": float(depth),
+                        "accuracy": sum(r["success"] for r in results) / len(results),
+                        "trials": results,
+                    }
+                )
     by_length = {}
     for length in lengths:
         mine = [c["accuracy"] for c in cells if c["length"] == length]

@@ -14,8 +14,6 @@ Both take the same windows: `windows` windows of `context` tokens spread evenly 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import time
 from collections.abc import Callable
@@ -24,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import _compat
 from .memory import cache_nbytes
 
 __all__ = ["forward_with_cache", "paper_perplexity", "streaming_perplexity", "window_starts"]
@@ -32,22 +31,13 @@ __all__ = ["forward_with_cache", "paper_perplexity", "streaming_perplexity", "wi
 _SCORE_ROWS = 256
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_params(model_class: type) -> tuple[str, bool]:
-    # Feature detection, not a version check: transformers 5.24 renamed the forward argument
-    # `past_key_values` to `cache` (the old name warns); 5.17 only knows `past_key_values`.
-    params = inspect.signature(model_class.forward).parameters
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    return cache_arg, "logits_to_keep" in params
-
-
 def forward_with_cache(model, input_ids: torch.Tensor, cache, *, logits_to_keep: int = 0) -> torch.Tensor:
     """One forward of `input_ids (B, T)` through `cache` (appended to it); returns logits `(B, T', V)`.
 
     `logits_to_keep=k > 0` asks for the logits of the last k positions only (T' = k) when the model
     supports it; otherwise T' = T. Callers locate rows from the end, so both cases read the same.
     """
-    cache_arg, has_keep = _forward_params(type(model))
+    cache_arg, has_keep = _compat.forward_parameters(type(model))
     kwargs = {cache_arg: cache, "use_cache": True}
     if has_keep and logits_to_keep > 0:
         kwargs["logits_to_keep"] = logits_to_keep
@@ -131,8 +121,13 @@ def streaming_perplexity(
     first_scored = _first_scored(skip)
     n_chunks = math.ceil(context / chunk)
     per_window = []
-    with tqdm(total=len(starts) * n_chunks, desc=desc or "stream ppl", unit="chunk", disable=not progress,
-              leave=False) as bar:
+    with tqdm(
+        total=len(starts) * n_chunks,
+        desc=desc or "stream ppl",
+        unit="chunk",
+        disable=not progress,
+        leave=False,
+    ) as bar:
         for start in starts:
             window = tokens[start : start + context].to(device)  # (context,)
             cache = cache_factory()
@@ -147,16 +142,19 @@ def streaming_perplexity(
                     nll += _nll_sum(logits[0, lo - offset : hi - offset], window[lo + 1 : hi + 1])
                     count += hi - lo
                 bar.update(1)
-            per_window.append({
-                "start": start,
-                "nll": nll / count,
-                "tokens": count,
-                "cache_tokens": int(cache.get_seq_length()),
-                "cache_nbytes": cache_nbytes(cache),
-            })
+            per_window.append(
+                {
+                    "start": start,
+                    "nll": nll / count,
+                    "tokens": count,
+                    "cache_tokens": int(cache.get_seq_length()),
+                    "cache_nbytes": cache_nbytes(cache),
+                }
+            )
             del cache
-    return _summary("stream", per_window, started, context=context, chunk=chunk, skip=skip,
-                    n_windows=len(starts))
+    return _summary(
+        "stream", per_window, started, context=context, chunk=chunk, skip=skip, n_windows=len(starts)
+    )
 
 
 @torch.inference_mode()
@@ -194,13 +192,22 @@ def paper_perplexity(
         offset = context - logits.shape[1]
         count = context - 1 - lo
         nll = _nll_sum(logits[0, lo - offset : context - 1 - offset], window[lo + 1 :])
-        per_window.append({
-            "start": start,
-            "nll": nll / count,
-            "tokens": count,
-            "cache_tokens": int(cache.get_seq_length()),
-            "cache_nbytes": cache_nbytes(cache),
-        })
+        per_window.append(
+            {
+                "start": start,
+                "nll": nll / count,
+                "tokens": count,
+                "cache_tokens": int(cache.get_seq_length()),
+                "cache_nbytes": cache_nbytes(cache),
+            }
+        )
         del cache, logits
-    return _summary("paper", per_window, started, context=context, skip=skip, n_windows=len(starts),
-                    quantize_before_attention=quantized)
+    return _summary(
+        "paper",
+        per_window,
+        started,
+        context=context,
+        skip=skip,
+        n_windows=len(starts),
+        quantize_before_attention=quantized,
+    )

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 __all__ = [
+    "TABLE_NOTE",
     "create_results_dir",
     "environment",
     "format_table",
@@ -41,14 +42,24 @@ __all__ = [
 ]
 
 
+TABLE_NOTE = (
+    "vs 16-bit: bytes the cache holds per token / (2 bytes x K,V x layers x kv_heads x head_dim); "
+    "the baseline `none` keeps the model dtype, so a float32 model's reads 2.000x. "
+    "Δ%: perplexity change against `none` of the same run. "
+    "stream: chunks attend to the stored cache; paper: K/V quantized before attention."
+)
+
+
 def safe_label(text: str) -> str:
-    """`text` made safe as one part of a directory name: `int4-g32:sink_tokens=4` -> `int4-g32_sink_tokens-4`."""
+    """`text` made safe as one part of a directory name:
+    `int4-g32:sink_tokens=4` -> `int4-g32_sink_tokens-4`."""
     label = re.sub(r"[^A-Za-z0-9.+-]+", "_", text.replace("=", "-")).strip("._")
     return label[:80] or "x"
 
 
-def results_dir_name(command: str, model: str, tasks: str, methods: list[str] | None = None,
-                     when: _dt.datetime | None = None) -> str:
+def results_dir_name(
+    command: str, model: str, tasks: str, methods: list[str] | None = None, when: _dt.datetime | None = None
+) -> str:
     """`command[__methods]__model__tasks__YYYYmmdd-HHMMSS`; `methods` joined by `+` when given."""
     stamp = (when or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
     parts = [command]
@@ -114,7 +125,7 @@ def write_results(out: str | os.PathLike, name: str, metrics: dict, config: dict
     _write_json(path / "metrics.json", metrics)
     _write_json(path / "config.json", config)
     rows = table_rows(metrics)
-    (path / "table.md").write_text(format_table(rows) + "\n")
+    (path / "table.md").write_text(format_table(rows) + "\n\n" + TABLE_NOTE + "\n")
     plot_ppl_vs_bytes(rows, path / "ppl_vs_bytes.png", title=f"{metrics.get('model', '')}")
     return path
 
@@ -178,20 +189,34 @@ def format_table(rows: list[dict], *, with_model: bool | None = None) -> str:
     if with_model is None:
         with_model = len({r.get("model") for r in rows}) > 1
     lengths = sorted({L for r in rows for L in r.get("passkey_by_length", {})}, key=int)
-    header = (["model"] if with_model else []) + [
-        "method", "bytes/token", "vs 16-bit", "stream ppl", "Δ%", "paper ppl", "Δ%",
-    ] + [f"passkey {_length_label(L)}" for L in lengths]
+    header = (
+        (["model"] if with_model else [])
+        + [
+            "method",
+            "bytes/token",
+            "vs 16-bit",
+            "stream ppl",
+            "Δ%",
+            "paper ppl",
+            "Δ%",
+        ]
+        + [f"passkey {_length_label(L)}" for L in lengths]
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
-        cells = ([str(r.get("model") or "-")] if with_model else []) + [
-            f"`{r['method']}`",
-            _fmt(r.get("bytes_per_token"), ".0f"),
-            _fmt(r.get("bytes_ratio"), ".3f", "x"),
-            _fmt(r.get("stream_ppl"), ".3f"),
-            _fmt(r.get("stream_delta_pct"), "+.2f"),
-            _fmt(r.get("paper_ppl"), ".3f"),
-            _fmt(r.get("paper_delta_pct"), "+.2f"),
-        ] + [_fmt(r.get("passkey_by_length", {}).get(L), ".0%") for L in lengths]
+        cells = (
+            ([str(r.get("model") or "-")] if with_model else [])
+            + [
+                f"`{r['method']}`",
+                _fmt(r.get("bytes_per_token"), ".0f"),
+                _fmt(r.get("bytes_ratio"), ".3f", "x"),
+                _fmt(r.get("stream_ppl"), ".3f"),
+                _fmt(r.get("stream_delta_pct"), "+.2f"),
+                _fmt(r.get("paper_ppl"), ".3f"),
+                _fmt(r.get("paper_delta_pct"), "+.2f"),
+            ]
+            + [_fmt(r.get("passkey_by_length", {}).get(L), ".0%") for L in lengths]
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -218,14 +243,24 @@ def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str =
                 y = r.get(f"{protocol}_delta_pct")
                 if y is None:
                     continue
-                ax.scatter([x], [y], s=42, facecolors=face, edgecolors="C0", zorder=3,
-                           label=None if plotted[protocol] else f"{protocol} protocol")
+                ax.scatter(
+                    [x],
+                    [y],
+                    s=42,
+                    facecolors=face,
+                    edgecolors="C0",
+                    zorder=3,
+                    label=None if plotted[protocol] else f"{protocol} protocol",
+                )
                 plotted[protocol] = True
             y = r.get("stream_delta_pct", None)
             y = r.get("paper_delta_pct") if y is None else y
             if y is not None:
-                label = r["method"] if not r.get("model") or len({q.get("model") for q in rows}) == 1 \
+                label = (
+                    r["method"]
+                    if not r.get("model") or len({q.get("model") for q in rows}) == 1
                     else f"{r['method']} ({r['model']})"
+                )
                 ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("bytes per token / 16-bit cache")

@@ -1,0 +1,157 @@
+"""The `hf-kvcache` command: option resolution, one-line errors, and a run end to end (a tiny model for the
+fast tests, the default model for the slow one)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_kvcache import cli
+from hf_kvcache.cli import DEFAULT_METHODS, EvalConfig, UsageError, build_parser, config_from_args, run_eval
+from tests.eval.test_passkey import byte_tokenizer
+from tests.helpers.tiny_models import tiny_model
+
+
+def resolve(*argv):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_split_methods_keeps_override_commas():
+    assert cli.split_methods(["none,int8", "int4-g32:sink_tokens=4,residual_length=32,int2-g32"]) == [
+        "none",
+        "int8",
+        "int4-g32:sink_tokens=4,residual_length=32",
+        "int2-g32",
+    ]
+    assert cli.split_methods(["none", "fp8-e4m3"]) == ["none", "fp8-e4m3"]
+
+
+def test_compare_is_eval_with_the_defaults():
+    assert resolve("compare") == EvalConfig()
+    assert resolve("eval") == EvalConfig()
+    assert EvalConfig().methods == DEFAULT_METHODS
+    assert (EvalConfig().context, EvalConfig().chunk, EvalConfig().windows, EvalConfig().skip) == (
+        1024,
+        64,
+        4,
+        128,
+    )
+
+
+def test_explicit_options_override_quick():
+    cfg = resolve(
+        "eval",
+        "--quick",
+        "--context",
+        "200",
+        "--methods",
+        "int8",
+        "--protocol",
+        "stream",
+        "--passkey-depths",
+        "0,1",
+        "--no-progress",
+    )
+    assert (cfg.context, cfg.windows, cfg.chunk) == (200, cli.QUICK["windows"], cli.QUICK["chunk"])
+    assert cfg.methods == ("int8",) and cfg.protocol == "stream"
+    assert cfg.passkey_depths == (0.0, 1.0) and cfg.progress is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["eval", "--methods", "none,bogus-9"], "bogus-9"),
+        (["eval", "--methods", "int4-g32:group_size"], "key=value"),
+        (["eval", "--passkey-depths", "0.5,2"], "passkey-depths"),
+        (["eval", "--skip", "2000"], "--skip"),
+        (["eval", "--text", "/nonexistent/corpus.txt"], "--text"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    # Each of these fails before the model is loaded.
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-kvcache: error:") and message in err and "\n" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def tiny_config(**overrides):
+    values = dict(
+        cli.QUICK,
+        methods=("int8", "none", "int2-g32"),
+        context=64,
+        chunk=16,
+        skip=8,
+        passkey_lengths=(120,),
+        passkey_chunk=50,
+        progress=False,
+    )
+    return EvalConfig(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama"), byte_tokenizer()
+
+
+def test_run_eval_writes_a_results_dir(tmp_path, tiny):
+    pytest.importorskip("hf_kvcache.presets")
+    model, tokenizer = tiny
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Some words of a small corpus. " * 40)
+    cfg = tiny_config(text=str(corpus))
+    path, metrics = run_eval(
+        cfg, out=str(tmp_path / "results"), model=model, tokenizer=tokenizer, argv=["hf-kvcache", "eval"]
+    )
+    assert path.name.startswith("eval__int8+int2-g32__llama__ppl64x1-passkey-text-corpus__")
+    assert [m["spec"] for m in metrics["methods"]] == ["none", "int8", "int2-g32"]  # baseline first
+    for entry in metrics["methods"]:
+        assert {"stream", "paper", "memory", "passkey"} <= set(entry)
+        assert entry["stream"]["tokens"] == 64 - 8
+    assert metrics["methods"][0]["memory"]["ratio"] == pytest.approx(2.0)  # float32 DynamicCache
+    assert metrics["methods"][2]["memory"]["ratio"] < metrics["methods"][1]["memory"]["ratio"] < 1.0
+    config = json.loads((path / "config.json").read_text())
+    assert config["context"] == 64 and config["corpus"] == str(corpus) and config["command"] == "eval"
+    assert set(config["versions"]) >= {"torch", "transformers", "hf_kvcache"}
+    assert "| `int2-g32` |" in (path / "table.md").read_text()
+
+
+def test_run_eval_memory_without_streaming(tmp_path, tiny):
+    pytest.importorskip("hf_kvcache.presets")
+    model, tokenizer = tiny
+    cfg = tiny_config(methods=("int8",), protocol="paper", passkey=False)
+    path, metrics = run_eval(cfg, out=str(tmp_path), model=model, tokenizer=tokenizer)
+    assert "ppl64x1paper__" in path.name
+    int8 = metrics["methods"][1]
+    assert "stream" not in int8 and "passkey" not in int8 and int8["memory"]["n_tokens"] == 64
+
+
+def test_unbuildable_spec_is_a_usage_error(tmp_path, tiny):
+    pytest.importorskip("hf_kvcache.presets")
+    model, tokenizer = tiny
+    with pytest.raises(UsageError, match="no_such_option"):
+        run_eval(
+            tiny_config(methods=("int4-g32:no_such_option=1",)),
+            out=str(tmp_path),
+            model=model,
+            tokenizer=tokenizer,
+        )
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_eval_quick_on_the_default_model(tmp_path, capsys):
+    assert (
+        cli.main(["eval", "--quick", "--methods", "none,int4-g32", "--no-progress", "--out", str(tmp_path)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| `none` |" in out and "| `int4-g32` |" in out
+    (path,) = tmp_path.iterdir()
+    assert path.name.startswith("eval__int4-g32__smollm2-135m__ppl128x1-passkey__")
+    metrics = json.loads((path / "metrics.json").read_text())
+    baseline, int4 = metrics["methods"]
+    assert baseline["passkey"]["accuracy"] == 1.0  # the default model finds the key at 256 tokens
+    assert 0 < int4["memory"]["ratio"] < 0.5
+    assert abs(int4["stream"]["ppl"] / baseline["stream"]["ppl"] - 1) < 0.2
