@@ -174,7 +174,7 @@ def paper_perplexity(
     quantized K/V). Scores the same targets.
 
     Returns the same keys as `streaming_perplexity` (protocol "paper", no `chunk`), plus
-    `quantize_before_attention`: whether the caches had the attribute (False for the 16-bit baseline).
+    `quantize_before_attention`: whether the caches had the attribute (False for the unquantized baseline).
     """
     started = time.perf_counter()
     starts = window_starts(int(tokens.numel()), context, windows)

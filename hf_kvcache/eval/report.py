@@ -264,7 +264,7 @@ def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str =
                 ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("bytes per token / 16-bit cache")
-        ax.set_ylabel("perplexity change vs 16-bit baseline (%)")
+        ax.set_ylabel("perplexity change vs the unquantized baseline `none` (%)")
         ax.set_title(f"perplexity vs KV-cache memory {('- ' + title) if title else ''}".strip())
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
