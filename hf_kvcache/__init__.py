@@ -8,6 +8,7 @@ from .attention import ATTENTION_NAME, register as _register_attention
 from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVCache, QuantizedKVLayer
 from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
+from .methods.kivi import KIVICache
 from .models import DEFAULT_MODEL, load_model
 from .presets import PRESETS, describe, make_cache
 
@@ -17,6 +18,7 @@ __all__ = [
     "ATTENTION_NAME",
     "Codec",
     "DEFAULT_MODEL",
+    "KIVICache",
     "KVHandle",
     "LayerPolicy",
     "PRESETS",

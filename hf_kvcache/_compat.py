@@ -97,3 +97,21 @@ def cache_kwargs(cache, model=None) -> dict:
     for `model(...)` and `model.generate(...)`. Without a model, what Llama takes on this transformers."""
     name = forward_parameters(type(model))[0] if model is not None else CACHE_ARGUMENT
     return {name: cache}
+
+
+def left_padding(update_kwargs: dict, tokens_before: int, n_new: int, batch: int):
+    """Per-row count of left-padding tokens `(B,)` long, or None when transformers tells the cache nothing.
+
+    transformers 5.24 passes the attention kwargs to `cache.update(..., kwargs=...)`, position ids included, and
+    `generate` numbers a left-padded row's first real token 0: the row's last token then sits at absolute index
+    `tokens_before + n_new - 1` but at position `position_ids[b, -1]`, and the difference is its padding.
+    5.17 passes no kwargs to `update`, so there padding cannot be told apart from text.
+    """
+    attention_kwargs = update_kwargs.get("kwargs") or {}
+    positions = attention_kwargs.get("position_ids") if isinstance(attention_kwargs, dict) else None
+    if positions is None:
+        return None
+    if positions.ndim == 3:  # multimodal rotary sections (3, B, T): the text section comes first
+        positions = positions[0]
+    pads = (tokens_before + n_new - 1) - positions[:, -1].long()
+    return pads.clamp(min=0).expand(batch).clone()

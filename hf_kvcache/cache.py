@@ -52,8 +52,12 @@ class Codec(ABC):
         self.state: dict[str, torch.Tensor] = {}
 
     @abstractmethod
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`x (B, H, T, D)`, T a multiple of `block_size` -> fields `(B, H, T / block_size, ...)`."""
+    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """`x (B, H, T, D)`, T a multiple of `block_size` -> fields `(B, H, T / block_size, ...)`.
+
+        `valid (B, T)` bool, when given, marks the tokens that are not left padding: statistics shared by
+        several tokens (a per-channel range, a per-head amax) must ignore the others. None: all valid.
+        """
 
     @abstractmethod
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -174,6 +178,7 @@ class _Stream:
         self.sink = _Rows()
         self.packed = _Rows()  # rows are blocks of codec.block_size tokens
         self.residual = _Rows()
+        self.first_position = 0  # absolute position of the first held token (> 0 once a window trimmed)
 
     # --- sizes
     @property
@@ -192,15 +197,16 @@ class _Stream:
         return self.n_sink + self.n_packed + self.n_residual
 
     # --- writing
-    def append(self, x: torch.Tensor, total_before: int) -> None:
-        """Store `x (B, H, T, D)`; `total_before` counts the tokens this stream saw before (sinks are absolute)."""
+    def append(self, x: torch.Tensor, total_before: int, pad_lengths: torch.Tensor | None = None) -> None:
+        """Store `x (B, H, T, D)`; `total_before` counts the tokens this stream saw before (sinks are absolute).
+        `pad_lengths (B,)`: how many of each row's first tokens are left padding (None: no padding)."""
         free_sink = max(self.sink_tokens - total_before, 0)
         if free_sink:
             self.sink.append({"x": x[:, :, :free_sink]})
             x = x[:, :, free_sink:]
         if x.shape[2]:
             self.residual.append({"x": x})
-        self._flush()
+        self._flush(pad_lengths)
 
     def _n_to_flush(self) -> int:
         n, b, r = self.n_residual, self.codec.block_size, self.residual_length
@@ -208,12 +214,17 @@ class _Stream:
             return (n // r) * r
         return max((n - r) // b, 0) * b
 
-    def _flush(self) -> None:
+    def _flush(self, pad_lengths: torch.Tensor | None) -> None:
         n = self._n_to_flush()
         if n <= 0:
             return
         x = self.residual.slice(0, n)["x"]
-        self.packed.append(self.codec.encode(x))
+        valid = None
+        if pad_lengths is not None:
+            start = self.first_position + self.n_sink + self.n_packed
+            positions = torch.arange(start, start + n, device=x.device)
+            valid = positions.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
+        self.packed.append(self.codec.encode(x, valid))
         self.residual.drop_front(n)
 
     # --- reading
@@ -256,6 +267,7 @@ class _Stream:
     # --- bookkeeping
     def drop_front_tokens(self, n: int) -> None:
         """Forget the `n` oldest held tokens (sliding windows). Only called with `can_drop_front(n)`."""
+        self.first_position += n
         take = min(n, self.n_sink)
         self.sink.drop_front(take)
         n -= take
@@ -363,6 +375,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             "values": _Stream(policy.value_codec, sink, policy.value_residual_length, policy.value_flush),
         }
         self.cumulative_length = 0  # tokens ever stored (positions), held or trimmed by the sliding window
+        self.pad_lengths: torch.Tensor | None = None  # (B,) left padding per row, when transformers tells us
         self.dtype: torch.dtype | None = None
         self.fused = False  # set by the cache from the model's attn_implementation
         self.quantize_before_attention = False
@@ -393,8 +406,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         # Trim before appending, never after: this step's mask was sized by `get_mask_sizes()` from the
         # trimmed view, and on the fused path the attention reads the layer only after `update()` returns.
         self._trim_to_window()
+        pads = _compat.left_padding(kwargs, self.cumulative_length, key_states.shape[2], key_states.shape[0])
+        if pads is not None:
+            self.pad_lengths = pads
         for name, x in (("keys", key_states), ("values", value_states)):
-            self._streams[name].append(x, self.cumulative_length)
+            self._streams[name].append(x, self.cumulative_length, self.pad_lengths)
         self.cumulative_length += key_states.shape[2]
         if self.fused:
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
@@ -503,6 +519,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for s in self._streams.values():
             s.map_batch(fn)
+        if self.pad_lengths is not None:
+            self.pad_lengths = fn(self.pad_lengths)
 
     def offload(self):
         raise NotImplementedError("offloading is not supported by hf-kvcache layers")

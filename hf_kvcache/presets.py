@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
+from .methods.kivi import KIVICache
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,16 @@ PRESETS: dict[str, Preset] = {
         QuantizedIntCache, {"bits": 4, "group_size": 128}, "INT4 asymmetric, groups of 128 along head_dim"
     ),
     "int2-g32": Preset(QuantizedIntCache, {"bits": 2, "group_size": 32}, "INT2 asymmetric, groups of 32 along head_dim"),
+    "kivi-4": Preset(
+        KIVICache,
+        {"bits": 4, "group_size": 32, "residual_length": 128},
+        "KIVI 4-bit: keys per channel, values per token, groups of 32, last 128 tokens exact",
+    ),
+    "kivi-2": Preset(
+        KIVICache,
+        {"bits": 2, "group_size": 32, "residual_length": 128},
+        "KIVI 2-bit: keys per channel, values per token, groups of 32, last 128 tokens exact",
+    ),
 }
 
 

@@ -83,9 +83,9 @@ class LayerMachine(RuleBasedStateMachine):
         for name, codec in self.codecs.items():
             original = codec.encode
 
-            def counting(x, original=original, counter=self.encoded[name]):
+            def counting(x, valid=None, original=original, counter=self.encoded[name]):
                 counter.update(int(s) for s in x[0, 0, :, 0].tolist())
-                return original(x)
+                return original(x, valid)
 
             codec.encode = counting
         policy = LayerPolicy(

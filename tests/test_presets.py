@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from hf_kvcache import PRESETS, describe, make_cache
 from hf_kvcache.methods.fp8 import QuantizedFP8Cache
 from hf_kvcache.methods.int import QuantizedIntCache
+from hf_kvcache.methods.kivi import KIVICache
 from hf_kvcache.presets import parse_spec
 from tests.helpers.tiny_models import tiny_model
 
@@ -16,7 +17,7 @@ from tests.helpers.tiny_models import tiny_model
 def test_every_preset_builds_and_describes_itself(spec):
     model = tiny_model("qwen3")  # head_dim 128: every group size divides it
     cache = make_cache(spec, model)
-    assert isinstance(cache, DynamicCache if spec == "none" else (QuantizedFP8Cache, QuantizedIntCache))
+    assert isinstance(cache, DynamicCache if spec == "none" else (QuantizedFP8Cache, QuantizedIntCache, KIVICache))
     assert describe(spec)
 
 

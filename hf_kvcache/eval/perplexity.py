@@ -74,6 +74,17 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def _window_record(start: int, nll_sum: float, count: int, cache) -> dict:
+    """One window's result: mean NLL over its `count` scored tokens and what the cache held at the end."""
+    return {
+        "start": start,
+        "nll": nll_sum / count,
+        "tokens": count,
+        "cache_tokens": int(cache.get_seq_length()),
+        "cache_nbytes": cache_nbytes(cache),
+    }
+
+
 def _summary(protocol: str, per_window: list[dict], started: float, **config) -> dict:
     total_tokens = sum(w["tokens"] for w in per_window)
     total_nll = sum(w["nll"] * w["tokens"] for w in per_window)
@@ -142,15 +153,7 @@ def streaming_perplexity(
                     nll += _nll_sum(logits[0, lo - offset : hi - offset], window[lo + 1 : hi + 1])
                     count += hi - lo
                 bar.update(1)
-            per_window.append(
-                {
-                    "start": start,
-                    "nll": nll / count,
-                    "tokens": count,
-                    "cache_tokens": int(cache.get_seq_length()),
-                    "cache_nbytes": cache_nbytes(cache),
-                }
-            )
+            per_window.append(_window_record(start, nll, count, cache))
             del cache
     return _summary(
         "stream", per_window, started, context=context, chunk=chunk, skip=skip, n_windows=len(starts)
@@ -192,15 +195,7 @@ def paper_perplexity(
         offset = context - logits.shape[1]
         count = context - 1 - lo
         nll = _nll_sum(logits[0, lo - offset : context - 1 - offset], window[lo + 1 :])
-        per_window.append(
-            {
-                "start": start,
-                "nll": nll / count,
-                "tokens": count,
-                "cache_tokens": int(cache.get_seq_length()),
-                "cache_nbytes": cache_nbytes(cache),
-            }
-        )
+        per_window.append(_window_record(start, nll, count, cache))
         del cache, logits
     return _summary(
         "paper",

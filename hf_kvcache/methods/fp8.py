@@ -33,22 +33,27 @@ class FP8Codec(Codec):
         self.fmt, self.scale_mode, self.headroom = fmt, scale_mode, headroom
         self.fixed_scale = None if scale is None else scale.float().reshape(1, -1, 1, 1)
 
-    def _scale(self, x: torch.Tensor | None = None) -> torch.Tensor | float:
+    def _scale(self, x: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor | float:
         if self.scale_mode == "none":
             return 1.0
         if self.scale_mode == "calibrated":
             return self.fixed_scale.to(x.device if x is not None else self.fixed_scale.device)
         if "scale" not in self.state:
-            self.state["scale"] = fp8_scale(x, self.fmt, dims=(2, 3), headroom=self.headroom)
+            scale = fp8_scale(x, self.fmt, dims=(2, 3), headroom=self.headroom)
+            if valid is not None:
+                # Left padding must not set a row's range; a row with no text yet keeps the padded amax.
+                text = fp8_scale(x * valid[:, None, :, None], self.fmt, dims=(2, 3), headroom=self.headroom)
+                scale = torch.where(valid.any(1).view(-1, 1, 1, 1), text, scale)
+            self.state["scale"] = scale
         return self.state["scale"]
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if self.fixed_scale is not None and self.fixed_scale.shape[1] != x.shape[1]:
             raise ValueError(
                 f"calibrated FP8 scales have {self.fixed_scale.shape[1]} kv-heads but the model stores {x.shape[1]}; "
                 "the calibration was made for another model"
             )
-        return {"codes": quantize_fp8(x, self.fmt, self._scale(x))}
+        return {"codes": quantize_fp8(x, self.fmt, self._scale(x, valid))}
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = fields["codes"]

@@ -32,7 +32,8 @@ class IntCodec(Codec):
         if head_dim % 8:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack {self.bits}-bit codes")
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        # Per-token groups: a padding token only affects its own codes.
         q = quantize_uniform(x, self.bits, axis=-1, group_size=self.group_size, symmetric=self.symmetric)
         fields = {"codes": pack_bits(q.codes, self.bits), "scale": q.scale}
         if q.zero is not None:

@@ -15,7 +15,7 @@ class LosslessCodec(Codec):
         super().__init__()
         self.block_size = block_size
 
-    def encode(self, x):
+    def encode(self, x, valid=None):
         b, h, t, d = x.shape
         return {"x": x.reshape(b, h, t // self.block_size, self.block_size * d).clone()}
 

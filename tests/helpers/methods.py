@@ -9,6 +9,8 @@ METHODS: list[tuple[str, dict, dict]] = [
     ("int8", {}, {"sink_tokens": 3, "residual_length": 5}),
     ("int4-g32", {}, {"sink_tokens": 1, "residual_length": 16}),
     ("int2-g32", {}, {"sink_tokens": 4}),
+    ("kivi-4", {"residual_length": 32}, {"residual_length": 64, "sink_tokens": 2}),
+    ("kivi-2", {"residual_length": 32}, {"residual_length": 32, "sink_tokens": 3}),
 ]
 
 SPECS = [spec for spec, _, _ in METHODS]

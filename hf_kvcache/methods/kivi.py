@@ -1,0 +1,112 @@
+"""KIVICache: keys quantized per channel, values per token, the most recent tokens kept exact (KIVI, Liu et al.,
+ICML 2024, arXiv:2402.02750, Algorithm 1).
+
+- Keys: each group is `group_size` (G) consecutive tokens of one channel, asymmetric min/max. New keys wait in
+  the residual; once it holds `residual_length` (R) tokens, all R are quantized (R / G groups) and packed. At
+  prefill the first T - (T mod R) tokens are packed at once. Packed keys are never touched again.
+- Values: each group is G consecutive channels of one token. The last R tokens stay exact (a FIFO); each token
+  that leaves the window is quantized and packed.
+- Beyond the paper: `sink_tokens` first tokens kept exact (attention sinks), and left padding never enters a key
+  group's range (the reference implementation lets it in, which costs batched accuracy). Padding is known where
+  transformers passes position ids to the cache (5.24 and later; see `_compat.left_padding`).
+
+Per token and kv-head, for head_dim D and b bits: keys `D*b/8` bytes of codes + `2*2*D/G` bytes of fp16 scale and
+zero (amortized over the G tokens of a block); values `D*b/8` + `2*2*D/G`. At b=2, G=32: 0.1875 of a 16-bit
+cache, plus the residual window and the sinks in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
+from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
+from .int import IntCodec
+
+KIVI_BITS = (2, 3, 4, 8)
+KIVI_GROUPS = (32, 64, 128)
+
+
+class PerChannelKeyCodec(Codec):
+    """Blocks of G tokens quantized per channel: fields `codes (B, H, n, G, D*bits/8) uint8` (each token's codes
+    packed along D), `scale (B, H, n, D) fp16` and `zero (B, H, n, D) fp16`, n = blocks."""
+
+    def __init__(self, bits: int, group_size: int):
+        super().__init__()
+        self.bits = bits
+        self.block_size = group_size
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 8:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack {self.bits}-bit codes")
+
+    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        b, h, t, d = x.shape
+        g = self.block_size
+        blocks = x.float().reshape(b, h, t // g, g, d)  # (B, H, n, G, D): a group is one channel of a block
+        if valid is not None and not bool(valid.all()):
+            blocks = _fill_padding(blocks, valid.reshape(b, 1, t // g, g, 1))
+        q = quantize_uniform(blocks, self.bits, axis=3, group_size=None)
+        return {"codes": pack_bits(q.codes, self.bits), "scale": q.scale.squeeze(3), "zero": q.zero.squeeze(3)}
+
+    def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack_bits(fields["codes"], self.bits)  # (B, H, n, G, D)
+        x = dequantize_uniform(
+            codes, fields["scale"].unsqueeze(3), fields["zero"].unsqueeze(3), self.bits, axis=3, dtype=dtype
+        )
+        b, h, n, g, d = x.shape
+        return x.reshape(b, h, n * g, d)
+
+    def describe(self) -> str:
+        return f"int{self.bits} per-channel keys, groups of {self.block_size} tokens"
+
+
+def _fill_padding(blocks: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Replace padding tokens of each channel group by the group's first valid value, so that they neither
+    widen the range nor cost precision (their codes are never attended to). A group with no valid token is
+    left as it is."""
+    valid = valid.expand_as(blocks)
+    # The first valid value of each (block, channel): argmax over the token axis of the validity mask.
+    first = valid.to(torch.uint8).argmax(dim=3, keepdim=True)
+    fill = blocks.gather(3, first)
+    return torch.where(valid, blocks, fill)
+
+
+class KIVICache(QuantizedKVCache):
+    """KIVI KV cache.
+
+    Args:
+        config: the model's config (`model.config`).
+        bits: 2, 3, 4 or 8.
+        group_size: G, 32, 64 or 128: tokens per key group, channels per value group (must divide head_dim).
+        residual_length: R, the exact window, a positive multiple of G (default 128).
+        sink_tokens: first tokens kept exact (default 0, KIVI as published).
+    """
+
+    def __init__(self, config, bits: int = 2, group_size: int = 32, residual_length: int = 128, *, sink_tokens: int = 0):
+        check_choice("bits", bits, KIVI_BITS)
+        check_choice("group_size", group_size, KIVI_GROUPS)
+        check_nonnegative_int("sink_tokens", sink_tokens)
+        check_nonnegative_int("residual_length", residual_length)
+        if residual_length == 0 or residual_length % group_size:
+            raise ValueError(
+                f"residual_length={residual_length} must be a positive multiple of group_size={group_size}: keys "
+                "are quantized in whole groups of tokens when the window fills (e.g. residual_length=128)"
+            )
+        _, _, head_dim = attention_shape(config)
+        check_group_size(group_size, head_dim)
+        self.bits, self.group_size, self.residual_length, self.sink_tokens = bits, group_size, residual_length, sink_tokens
+
+        def policy(layer_idx: int) -> LayerPolicy:
+            return LayerPolicy(
+                key_codec=PerChannelKeyCodec(bits, group_size),
+                value_codec=IntCodec(bits, group_size, symmetric=False),
+                sink_tokens=sink_tokens,
+                key_residual_length=residual_length,
+                value_residual_length=residual_length,
+                key_flush="block",
+                value_flush="fifo",
+            )
+
+        super().__init__(config, policy)
