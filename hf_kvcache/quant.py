@@ -125,28 +125,63 @@ def round_fp16(x: torch.Tensor, direction: str) -> torch.Tensor:
 
 
 def quantize_uniform(
-    x: torch.Tensor, bits: int, *, axis: int = -1, group_size: int | None = None, symmetric: bool = False
+    x: torch.Tensor,
+    bits: int,
+    *,
+    axis: int = -1,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    range_search: tuple[float, ...] | None = None,
 ) -> UniformQuantized:
     """Uniform integer quantization of `x` in groups of `group_size` consecutive elements along `axis`
-    (`None`: the whole axis is one group). Returns unpacked codes and fp16 scales (and zeros)."""
+    (`None`: the whole axis is one group). Returns unpacked codes and fp16 scales (and zeros).
+
+    `range_search` (asymmetric only): fractions of a group's range by which each end may move inward; every
+    pair is tried and each group keeps the range with the least squared error (values outside it saturate).
+    None: min/max, whose error is at most half a step.
+    """
     _check_bits(bits)
     xg, _ = _grouped(x.float(), axis, group_size)  # (..., n/g, g)
     if symmetric:
         if bits < 2:
             raise ValueError("symmetric quantization needs at least 2 bits")
+        if range_search:
+            raise ValueError("range_search applies to asymmetric quantization only")
         qmax = 2 ** (bits - 1) - 1
         absmax = xg.abs().amax(-1, keepdim=True)
         scale = round_fp16(absmax / qmax, "up")
         safe = torch.where(scale > 0, scale.float(), torch.ones_like(absmax))
         q = torch.round(xg / safe).clamp(-qmax, qmax) + 2 ** (bits - 1)
         return UniformQuantized(_ungrouped(q.to(torch.uint8), axis), _ungrouped(scale, axis), None)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    q, scale, zero = _asymmetric(xg, lo, hi, bits)
+    if range_search:
+        best = (_dequantized(q, scale, zero) - xg).pow(2).sum(-1, keepdim=True)
+        width = hi - lo
+        for a in range_search:
+            for b in range_search:
+                if a == b == 0 or a + b >= 1:
+                    continue
+                cq, cs, cz = _asymmetric(xg, lo + a * width, hi - b * width, bits)
+                err = (_dequantized(cq, cs, cz) - xg).pow(2).sum(-1, keepdim=True)
+                better = err < best
+                q, scale, zero = torch.where(better, cq, q), torch.where(better, cs, scale), torch.where(better, cz, zero)
+                best = torch.minimum(err, best)
+    return UniformQuantized(_ungrouped(q.to(torch.uint8), axis), _ungrouped(scale, axis), _ungrouped(zero, axis))
+
+
+def _asymmetric(xg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """Codes, fp16 scale and fp16 zero for the range [lo, hi] of each group (last axis), rounded outward."""
     qmax = 2**bits - 1
-    lo = round_fp16(xg.amin(-1, keepdim=True), "down")
-    hi = xg.amax(-1, keepdim=True)
-    scale = round_fp16((hi - lo.float()) / qmax, "up")
+    zero = round_fp16(lo, "down")
+    scale = round_fp16((hi - zero.float()) / qmax, "up")
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(hi))
-    q = torch.round((xg - lo.float()) / safe).clamp(0, qmax)
-    return UniformQuantized(_ungrouped(q.to(torch.uint8), axis), _ungrouped(scale, axis), _ungrouped(lo, axis))
+    q = torch.round((xg - zero.float()) / safe).clamp(0, qmax)
+    return q, scale, zero
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return q * scale.float() + zero.float()
 
 
 def dequantize_uniform(

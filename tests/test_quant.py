@@ -466,3 +466,19 @@ def test_unknown_fp8_format_raises(fmt):
     ):
         with pytest.raises(ValueError, match="format"):
             call()
+
+
+def test_range_search_never_loses_to_min_max_and_can_win():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g)
+    x[:, 0] *= 8  # one outlier per group: min/max wastes most levels on it
+    plain = quantize_uniform(x, 2, axis=-1)
+    searched = quantize_uniform(x, 2, axis=-1, range_search=(0.0, 0.05, 0.1, 0.15, 0.2))
+    err_plain = (dequantize_uniform(plain.codes, plain.scale, plain.zero, 2) - x).pow(2).sum(-1)
+    err_search = (dequantize_uniform(searched.codes, searched.scale, searched.zero, 2) - x).pow(2).sum(-1)
+    assert (err_search <= err_plain + 1e-6).all()
+    assert err_search.sum() < 0.9 * err_plain.sum()
+    only_zero = quantize_uniform(x, 2, axis=-1, range_search=(0.0,))
+    assert torch.equal(only_zero.codes, plain.codes) and torch.equal(only_zero.scale, plain.scale)
+    with pytest.raises(ValueError, match="asymmetric"):
+        quantize_uniform(x, 4, symmetric=True, range_search=(0.0, 0.1))

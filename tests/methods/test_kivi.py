@@ -116,3 +116,14 @@ def test_crop_inside_a_packed_key_block_keeps_earlier_values():
 def test_bad_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KIVICache(LLAMA, **kwargs)
+
+
+def test_key_range_search_lowers_key_error_at_two_bits():
+    k = outlier_keys(b=2, h=2, s=256, d=64)
+    errors = {}
+    for search in (False, True):
+        cache = KIVICache(LLAMA, bits=2, residual_length=128, key_range_search=search)
+        cache.quantize_before_attention = True
+        keys, _ = cache.layers[0].update(k, k)
+        errors[search] = sqnr_db(k, keys)
+    assert errors[True] > errors[False] + 0.5, errors
