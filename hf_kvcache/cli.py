@@ -321,9 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="the demo: every basic method on the default model, one table and plot",
         description="Streaming and paper-protocol perplexity, passkey retrieval and bytes "
-        "per token of " + ", ".join(DEFAULT_METHODS) + " in one run.",
+        "per token of " + ", ".join(DEFAULT_METHODS) + " in one run (the options of `eval` change "
+        "what it measures, e.g. --methods kivi-4,kivi-2).",
     )
     _add_common(compare)
+    _add_eval_options(compare)
     evaluate = sub.add_parser("eval", help="evaluate any methods: perplexity, passkey, memory")
     _add_common(evaluate)
     _add_eval_options(evaluate)
@@ -354,18 +356,17 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         passkey=not args.no_passkey,
         progress=not args.no_progress,
     )
-    if args.command == "eval":
-        if args.methods is not None:
-            values["methods"] = tuple(split_methods(args.methods))
-        for name in ("protocol", "context", "chunk", "windows", "skip", "text"):
-            if getattr(args, name) is not None:
-                values[name] = getattr(args, name)
-        if args.passkey_lengths is not None:
-            values["passkey_lengths"] = _int_list(args.passkey_lengths, "--passkey-lengths")
-        if args.passkey_depths is not None:
-            values["passkey_depths"] = _float_list(args.passkey_depths, "--passkey-depths")
-        if args.passkey_trials is not None:
-            values["passkey_trials"] = args.passkey_trials
+    if args.methods is not None:
+        values["methods"] = tuple(split_methods(args.methods))
+    for name in ("protocol", "context", "chunk", "windows", "skip", "text"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.passkey_lengths is not None:
+        values["passkey_lengths"] = _int_list(args.passkey_lengths, "--passkey-lengths")
+    if args.passkey_depths is not None:
+        values["passkey_depths"] = _float_list(args.passkey_depths, "--passkey-depths")
+    if args.passkey_trials is not None:
+        values["passkey_trials"] = args.passkey_trials
     cfg = EvalConfig(**values)
     for name in ("context", "chunk", "windows"):
         if getattr(cfg, name) < 1:

@@ -30,6 +30,7 @@ def test_split_methods_keeps_override_commas():
 def test_compare_is_eval_with_the_defaults():
     assert resolve("compare") == EvalConfig()
     assert resolve("eval") == EvalConfig()
+    assert resolve("compare", "--methods", "kivi-4,kivi-2").methods == ("kivi-4", "kivi-2")
     assert EvalConfig().methods == DEFAULT_METHODS
     assert (EvalConfig().context, EvalConfig().chunk, EvalConfig().windows, EvalConfig().skip) == (
         1024,
