@@ -13,15 +13,12 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-import transformers
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 try:  # 5.24: layers whose K/V another layer produces get a DummyLayer
     from transformers.cache_utils import DummyLayer
 except ImportError:  # 5.17: such layers are simply left out of the cache's layer list
     DummyLayer = None
-
-TRANSFORMERS_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
 _FULL = {"full_attention"}
 _SLIDING = {"sliding_attention", "chunked_attention"}

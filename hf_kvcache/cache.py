@@ -70,9 +70,6 @@ class Codec(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming the parameter if this codec cannot store vectors of size `head_dim`."""
 
-    def describe(self) -> str:
-        return type(self).__name__
-
 
 class _Rows:
     """Named tensors sharing axis 2 (rows), appended at the end and dropped from the front in O(1) amortized.

@@ -62,9 +62,6 @@ class FP8Codec(Codec):
             scale = scale.to(codes.device)
         return dequantize_fp8(codes, self.fmt, scale, dtype)
 
-    def describe(self) -> str:
-        return f"fp8 {self.fmt} scale={self.scale_mode}"
-
 
 def _calibrated_scales(scales, num_layers: int, kv_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer `(k_scale (Hkv,), v_scale (Hkv,))` from a mapping of `(L, Hkv)` tensors or a calibration object."""

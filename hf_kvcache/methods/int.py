@@ -46,10 +46,6 @@ class IntCodec(Codec):
             codes, fields["scale"], fields.get("zero"), self.bits, axis=-1, group_size=self.group_size, dtype=dtype
         )
 
-    def describe(self) -> str:
-        kind = "sym" if self.symmetric else "asym"
-        return f"int{self.bits} {kind} group={self.group_size or 'head_dim'}"
-
 
 class QuantizedIntCache(QuantizedKVCache):
     """Uniform integer KV cache.

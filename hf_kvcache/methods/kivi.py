@@ -62,10 +62,6 @@ class PerChannelKeyCodec(Codec):
         b, h, n, g, d = x.shape
         return x.reshape(b, h, n * g, d)
 
-    def describe(self) -> str:
-        search = ", range search" if self.range_search else ""
-        return f"int{self.bits} per-channel keys, groups of {self.block_size} tokens{search}"
-
 
 def _fill_padding(blocks: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Replace padding tokens of each channel group by the group's first valid value, so that they neither
