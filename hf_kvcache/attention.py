@@ -1,10 +1,15 @@
 """The `hf_kvcache` attention and mask functions, registered in transformers on import.
 
 With `attn_implementation="hf_kvcache"`, a `QuantizedKVCache` returns `KVHandle`s from `update()` and this
-attention reads the packed cache itself. On CPU (and until a kernel serves a format) it runs the reference:
-blockwise attention over the dequantized cache, a chunk of tokens at a time, with an online softmax in fp32,
-so no full-length dense K/V ever exists. Plain tensors (any other cache, or none) go to transformers' SDPA
-attention, so the implementation is safe to select for any model.
+attention reads the packed cache itself:
+- on CUDA (`hf_kvcache.kernels` backend "auto" or "triton"), the fused Triton kernel reads codes, scales, sink,
+  residual and the exact new tokens in one pass (`hf_kvcache.kernels.decode_attention`); a step with nothing
+  stored before it (the prefill) attends to its own exact tokens through PyTorch's SDPA;
+- on CPU, or for a layout no kernel reads (3-bit codes, head_dim not a power of two, a float mask), the
+  reference: blockwise attention over the dequantized cache, a chunk of tokens at a time, with an online
+  softmax in fp32.
+Neither path ever builds the full-length dense K/V. Plain tensors (any other cache, or none) go to
+transformers' SDPA attention, so the implementation is safe to select for any model.
 
 The mask function is transformers' SDPA one (boolean, True = attend): without a mask function registered
 under the same name, transformers would pass `attention_mask=None` and padding would silently disappear.
@@ -13,10 +18,12 @@ under the same name, transformers would pass `attention_mask=None` and padding w
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from . import kernels
 from .cache import KVHandle
 
 ATTENTION_NAME = "hf_kvcache"
@@ -99,10 +106,45 @@ def hf_kvcache_attention(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = reference_attention(
-        query, key, value, attention_mask, scaling, softcap=kwargs.get("softcap"), s_aux=kwargs.get("s_aux")
-    )
+    softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
+    if kernels.use_kernels(query.device):
+        out = fused_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
+        if out is not None:
+            return out, None
+    out = reference_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def fused_attention(
+    query: torch.Tensor,
+    key: KVHandle,
+    value: KVHandle,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The kernel path: `(B, Tq, Hq, D)` in the query dtype, or None when no kernel reads this layer's layout."""
+    from .kernels import ops
+
+    layer = key.layer
+    keys, values = layer.key_stream.kernel_view(), layer.value_stream.kernel_view()
+    if keys is None or values is None or ops.supports(keys, values, query) is not None:
+        return None
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        return None
+    exact_new = not layer.quantize_before_attention
+    if exact_new and layer.held_tokens == key.new.shape[2] and softcap is None and s_aux is None:
+        # Nothing was stored before this step (a prefill): attention over its own exact tokens.
+        out = F.scaled_dot_product_attention(
+            query, key.new, value.new, attn_mask=attention_mask, scale=scaling, enable_gqa=True,
+            is_causal=attention_mask is None and query.shape[2] > 1,
+        )
+        return out.transpose(1, 2).contiguous()
+    return ops.decode_attention(
+        query, keys, values, key.new, value.new, exact_new=exact_new, attention_mask=attention_mask,
+        scaling=scaling, softcap=softcap, s_aux=s_aux,
+    )
 
 
 def register() -> None:

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import _compat
+from .kernels.layout import PackedFormat, StreamTensors
 
 # Storage grows by this factor (and at least `_MIN_GROW` rows), so the capacity never exceeds what is held by
 # more than ~25% + a few rows while every row is still copied O(1) times amortized.
@@ -69,6 +70,11 @@ class Codec(ABC):
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming the parameter if this codec cannot store vectors of size `head_dim`."""
+
+    def packed_format(self) -> PackedFormat | None:
+        """How the fused kernels read this codec's fields (`hf_kvcache.kernels.layout`); None: they cannot, and
+        the attention uses the reference path."""
+        return None
 
 
 class _Rows:
@@ -260,6 +266,19 @@ class _Stream:
             r = self.residual.view()["x"]
             for i in range(0, min(r.shape[2], stop - pos), chunk_tokens):
                 yield r[:, :, i : min(i + chunk_tokens, stop - pos)].to(dtype)
+
+    def kernel_view(self) -> StreamTensors | None:
+        """The places as the fused attention reads them (views, no copy), or None if the codec has no kernel."""
+        fmt = self.codec.packed_format()
+        if fmt is None:
+            return None
+        return StreamTensors(
+            sink=self.sink.view().get("x"),
+            fields=self.packed.view(),
+            fmt=fmt,
+            n_packed=self.n_packed,
+            residual=self.residual.view().get("x"),
+        )
 
     # --- bookkeeping
     def drop_front_tokens(self, n: int) -> None:

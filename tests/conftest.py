@@ -1,7 +1,14 @@
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter (read when a kernel is first compiled).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

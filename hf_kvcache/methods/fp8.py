@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..kernels.layout import PackedFormat
 from ..quant import FP8_FORMATS, dequantize_fp8, fp8_scale, quantize_fp8
 from ._common import attention_shape, check_choice, check_nonnegative_int
 
@@ -54,6 +55,14 @@ class FP8Codec(Codec):
                 "the calibration was made for another model"
             )
         return {"codes": quantize_fp8(x, self.fmt, self._scale(x, valid))}
+
+    def packed_format(self) -> PackedFormat:
+        scale = None
+        if self.scale_mode == "calibrated":
+            scale = self.fixed_scale.reshape(1, -1)
+        elif "scale" in self.state:
+            scale = self.state["scale"].reshape(self.state["scale"].shape[:2])
+        return PackedFormat(kind=f"fp8-{self.fmt}", scale=scale)
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = fields["codes"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..kernels.layout import PackedFormat
 from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
 from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
 
@@ -39,6 +40,11 @@ class IntCodec(Codec):
         if q.zero is not None:
             fields["zero"] = q.zero
         return fields
+
+    def packed_format(self) -> PackedFormat | None:
+        if self.bits not in (2, 4, 8):
+            return None  # 3-bit codes straddle bytes: the reference path reads them
+        return PackedFormat(kind="uniform", bits=self.bits, channel_group=self.group_size or 0, symmetric=self.symmetric)
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = unpack_bits(fields["codes"], self.bits)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..kernels.layout import PackedFormat
 from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
 from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
 from .int import IntCodec
@@ -53,6 +54,11 @@ class PerChannelKeyCodec(Codec):
             blocks = _fill_padding(blocks, valid.reshape(b, 1, t // g, g, 1))
         q = quantize_uniform(blocks, self.bits, axis=3, group_size=None, range_search=self.range_search)
         return {"codes": pack_bits(q.codes, self.bits), "scale": q.scale.squeeze(3), "zero": q.zero.squeeze(3)}
+
+    def packed_format(self) -> PackedFormat | None:
+        if self.bits not in (2, 4, 8):
+            return None  # 3-bit codes straddle bytes: the reference path reads them
+        return PackedFormat(kind="uniform", bits=self.bits, token_group=self.block_size, channel_group=1)
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = unpack_bits(fields["codes"], self.bits)  # (B, H, n, G, D)

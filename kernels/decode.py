@@ -1,0 +1,327 @@
+"""Fused attention over a quantized layer: one Triton kernel reads the sink, the packed codes and scales, the
+residual and the exact new tokens, dequantizes in registers and runs an online fp32 softmax; a second small
+kernel combines the split-K partial results (flash-decoding).
+
+Work split, per (batch row, kv-head, tile of query rows):
+- body programs (`n_splits` of them) each take a contiguous range of the *body*: whole tiles of `BLOCK_N` tokens
+  where both keys and values are packed. There the scales are applied in the score domain, so the inner loop
+  only unpacks codes and feeds tensor cores:
+  per-token groups  q.k = sum_g s_g (q_g . c_g) + z_g sum(q_g)   (a batched dot over the groups),
+  per-channel keys  q.k = (q * s) . c + q . z                     (KIVI: one block of tokens = one tile),
+  values            p.v = sum_g (p * s_g) . c_g + (p . z_g)       (per-token groups), fp8: s (p . fp8(c)).
+- one tail program reads everything else token by token: the sink, the packed tokens outside whole body tiles
+  (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
+  the reference codecs do (to the model dtype) before the dot.
+
+Query rows are (query position, query head of the kv-head's group) pairs, so GQA/MQA read each K/V tile once for
+all the query heads that share it, and q_len > 1 (chunked prefill, speculative verification) is the same code
+with more rows. The launcher is `hf_kvcache.kernels.decode_attention`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_FP8_E4M3 = 1
+FMT_FP8_E5M2 = 2
+FMT_UNIFORM = 3
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """Tensor-core product with fp32 accumulation; exact fp32 products when the operands are fp32."""
+    if PREC == "ieee":
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _unpack(ptr, row_off, d, mask, BITS: tl.constexpr, MASKED: tl.constexpr = True):
+    """Unsigned codes at `ptr + row_off` for channels `d` (broadcastable offsets), as int32."""
+    PER: tl.constexpr = 8 // BITS
+    if MASKED:
+        byte = tl.load(ptr + row_off + d // PER, mask=mask, other=0).to(tl.int32)
+    else:
+        byte = tl.load(ptr + row_off + d // PER).to(tl.int32)
+    if BITS == 8:
+        c = byte
+    else:
+        c = (byte >> ((d % PER) * BITS)) & ((1 << BITS) - 1)
+    return c
+
+
+@triton.jit
+def _fp8_to_float(c, FMT: tl.constexpr):
+    if FMT == 1:
+        x = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dequant(C, SC, Z, tok, d, mask, sc_t, ss_t, ss_c, fp8_scale,
+             FMT: tl.constexpr, BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr):
+    """Element-domain dequantization of packed tokens `tok (N, 1)` x channels `d (1, D)` -> float32 (N, D)."""
+    if FMT == 3:
+        code = _unpack(C, tok * sc_t, d, mask, BITS).to(tl.float32)
+        soff = (tok // TOKG) * ss_t + (d // CHG) * ss_c
+        scale = tl.load(SC + soff, mask=mask, other=0.0).to(tl.float32)
+        if SYM:
+            x = (code - (1 << (BITS - 1))) * scale
+        else:
+            x = code * scale + tl.load(Z + soff, mask=mask, other=0.0).to(tl.float32)
+    else:
+        code = tl.load(C + tok * sc_t + d, mask=mask, other=0)
+        x = _fp8_to_float(code, FMT) * fp8_scale
+    return x
+
+
+@triton.jit
+def _place_tile(S_, Rs, N_, C, SC, Z, ss_t, sr_t, sn_t, sc_t, ssc_t, ssc_c, fp8_scale,
+                kpos, d, ok, n_sink, n_packed, n_res, stop, n_new, DT: tl.constexpr,
+                FMT: tl.constexpr, BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr):
+    """Keys or values of tokens `kpos (N, 1)` (pointers already offset to this batch row and kv-head) from
+    whichever place holds them, rounded to the model dtype as the reference decode does: (N, D)."""
+    stored = ok & (kpos < stop)
+    in_sink = stored & (kpos < n_sink)
+    pk = kpos - n_sink
+    in_packed = stored & (pk >= 0) & (pk < n_packed)
+    rk = pk - n_packed
+    in_res = stored & (rk >= 0) & (rk < n_res)
+    nk = kpos - stop
+    in_new = ok & (nk >= 0) & (nk < n_new)
+    x = tl.load(S_ + kpos * ss_t + d, mask=in_sink, other=0.0).to(tl.float32)
+    x += _dequant(C, SC, Z, pk, d, in_packed, sc_t, ssc_t, ssc_c, fp8_scale, FMT, BITS, TOKG, CHG, SYM)
+    x += tl.load(Rs + rk * sr_t + d, mask=in_res, other=0.0).to(tl.float32)
+    x += tl.load(N_ + nk * sn_t + d, mask=in_new, other=0.0).to(tl.float32)
+    return x.to(DT)
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax in base 2: new running max, the rescale factor of the old sums, and the tile's weights."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, alpha, p, l_i
+
+
+@triton.jit
+def _finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k -> base-2 logits: times the softmax scale, optional tanh soft-capping (Gemma 2), times log2(e)."""
+    s = s * scale
+    if HAS_SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    return s * 1.4426950408889634
+
+
+@triton.jit
+def _attn_fwd(
+    Q, sq_b, sq_h, sq_t,
+    KS, sks_b, sks_h, sks_t, KC, skc_b, skc_h, skc_t, KSC, sksc_b, sksc_h, sksc_t, sksc_c, KZ,
+    KR, skr_b, skr_h, skr_t, KN, skn_b, skn_h, skn_t, KF8, skf_b, skf_h,
+    VS, svs_b, svs_h, svs_t, VC, svc_b, svc_h, svc_t, VSC, svsc_b, svsc_h, svsc_t, svsc_c, VZ,
+    VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t, VF8, svf_b, svf_h,
+    MASK, sm_b, sm_t, sm_s,
+    ACC, M_OUT, L_OUT,
+    Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
+    sm_scale, softcap,
+    D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
+    V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows (position t, head g of the group)
+    row_ok = rows < Tq * G
+    t = rows // G
+    qoff = b * sq_b + (h * G + rows % G) * sq_h + t * sq_t  # (BLOCK_M,)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D) model dtype
+    qf = q.to(tl.float32)
+    qd = q.to(DT)
+
+    k_scale = 1.0
+    v_scale = 1.0
+    if K_FMT != 3:
+        k_scale = tl.load(KF8 + b * skf_b + h * skf_h)
+    if V_FMT != 3:
+        v_scale = tl.load(VF8 + b * svf_b + h * svf_h)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    part = (pid_bh * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + pid_s  # (BLOCK_M,)
+
+    if pid_s < n_splits:
+        # ------------------------------------------------------------------ body: whole packed tiles
+        kc = KC + b * skc_b + h * skc_h
+        ksc = KSC + b * sksc_b + h * sksc_h
+        kz = KZ + b * sksc_b + h * sksc_h
+        vc = VC + b * svc_b + h * svc_h
+        vsc = VSC + b * svsc_b + h * svsc_h
+        vz = VZ + b * svsc_b + h * svsc_h
+        NGK: tl.constexpr = D // K_CHG
+        NGV: tl.constexpr = D // V_CHG
+        jk = tl.arange(0, NGK)
+        jv = tl.arange(0, NGV)
+        ek = tl.arange(0, K_CHG)
+        ev = tl.arange(0, V_CHG)
+        if K_FMT == 3 and K_TOKG == 1:
+            # q split into its channel groups: (NGK, BLOCK_M, K_CHG), and each group's sum
+            q3 = tl.load(Q + qoff[None, :, None] + jk[:, None, None] * K_CHG + ek[None, None, :],
+                         mask=row_ok[None, :, None], other=0.0)
+            qsum3 = tl.sum(q3.to(tl.float32), 2)[:, :, None]  # (NGK, BLOCK_M, 1)
+            q3 = q3.to(DT)
+        if V_FMT == 3:
+            acc = tl.zeros((NGV, BLOCK_M, V_CHG), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
+        lo = pid_s * tiles_per_split
+        hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
+        for tile in range(lo, hi):
+            p0 = tile * BLOCK_N
+            # ---- scores (BLOCK_M, BLOCK_N)
+            if K_FMT != 3:
+                c = tl.load(kc + (p0 + n)[:, None] * skc_t + d[None, :])
+                s = _dot(qd, tl.trans(_fp8_to_float(c, K_FMT).to(DT)), PREC) * k_scale
+            elif K_TOKG == 1:
+                tk = (p0 + n)[None, None, :]
+                c3 = _unpack(kc, tk * skc_t, jk[:, None, None] * K_CHG + ek[None, :, None], None, K_BITS, False)
+                s3 = _dot(q3, c3.to(DT), PREC)  # (NGK, BLOCK_M, BLOCK_N)
+                soff = tk * sksc_t + jk[:, None, None] * sksc_c  # (NGK, 1, BLOCK_N)
+                sc3 = tl.load(ksc + soff).to(tl.float32)
+                if K_SYM:
+                    z3 = sc3 * (-(1 << (K_BITS - 1)))
+                else:
+                    z3 = tl.load(kz + soff).to(tl.float32)
+                s = tl.sum(s3 * sc3 + qsum3 * z3, 0)
+            else:
+                # one tile = one block of K_TOKG tokens sharing per-channel scales
+                c = _unpack(kc, (p0 + n)[None, :] * skc_t, d[:, None], None, K_BITS, False)  # (D, BLOCK_N)
+                soff = tile * sksc_t + d * sksc_c
+                sc = tl.load(ksc + soff).to(tl.float32)
+                zr = tl.load(kz + soff).to(tl.float32)
+                qs = (qf * sc[None, :]).to(DT)
+                s = _dot(qs, c.to(DT), PREC) + tl.sum(qf * zr[None, :], 1)[:, None]
+            s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
+            if HAS_MASK:
+                kpos = n_sink + p0 + n
+                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
+                                  mask=row_ok[:, None], other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            # ---- values
+            if V_FMT != 3:
+                c = tl.load(vc + (p0 + n)[:, None] * svc_t + d[None, :])
+                acc = acc * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
+            else:
+                tv = (p0 + n)[None, :, None]
+                c3 = _unpack(vc, tv * svc_t, jv[:, None, None] * V_CHG + ev[None, None, :], None, V_BITS, False)
+                soff = (p0 + n)[None, None, :] * svsc_t + jv[:, None, None] * svsc_c  # (NGV, 1, BLOCK_N)
+                sc3 = tl.load(vsc + soff).to(tl.float32)
+                if V_SYM:
+                    z3 = sc3 * (-(1 << (V_BITS - 1)))
+                else:
+                    z3 = tl.load(vz + soff).to(tl.float32)
+                pw = p[None, :, :] * sc3  # (NGV, BLOCK_M, BLOCK_N)
+                acc = acc * alpha[None, :, None] + _dot(pw.to(DT), c3.to(DT), PREC)
+                acc += tl.sum(p[None, :, :] * z3, 2)[:, :, None]
+        if V_FMT == 3:
+            out = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_M, D))
+        else:
+            out = acc * v_scale
+    else:
+        # ------------------------------------------------------------------ tail: every other token
+        body_end = n_sink + n_body_tiles * BLOCK_N
+        s_total = stop + n_new
+        end = s_total
+        if not HAS_MASK:
+            # causal: no row of this tile attends past its last query position
+            t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
+            end = tl.minimum(s_total, s_total - Tq + t_last + 1)
+        ks = KS + b * sks_b + h * sks_h
+        kr = KR + b * skr_b + h * skr_h
+        kn = KN + b * skn_b + h * skn_h
+        kc = KC + b * skc_b + h * skc_h
+        ksc = KSC + b * sksc_b + h * sksc_h
+        kz = KZ + b * sksc_b + h * sksc_h
+        vs = VS + b * svs_b + h * svs_h
+        vr = VR + b * svr_b + h * svr_h
+        vn = VN + b * svn_b + h * svn_h
+        vc = VC + b * svc_b + h * svc_h
+        vsc = VSC + b * svsc_b + h * svsc_h
+        vz = VZ + b * svsc_b + h * svsc_h
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        n_first = tl.cdiv(n_sink, BLOCK_N)
+        n_rest = tl.cdiv(tl.maximum(end - body_end, 0), BLOCK_N)
+        for i in range(0, n_first + n_rest):
+            start = tl.where(i < n_first, i * BLOCK_N, body_end + (i - n_first) * BLOCK_N)
+            limit = tl.where(i < n_first, tl.minimum(n_sink, end), end)
+            kpos = start + n  # (BLOCK_N,)
+            ok = kpos < limit
+            kt = _place_tile(ks, kr, kn, kc, ksc, kz, sks_t, skr_t, skn_t, skc_t, sksc_t, sksc_c, k_scale,
+                             kpos[:, None], d[None, :], ok[:, None], n_sink, npk, nrk, stop, n_new, DT,
+                             K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM)
+            s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
+            if HAS_MASK:
+                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
+                                  mask=row_ok[:, None] & ok[None, :], other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            else:
+                s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            vt = _place_tile(vs, vr, vn, vc, vsc, vz, svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale,
+                             kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, stop, n_new, DT,
+                             V_FMT, V_BITS, 1, V_CHG, V_SYM)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+        out = acc
+    tl.store(ACC + part[:, None] * D + d[None, :], out)
+    tl.store(M_OUT + part, m_i)
+    tl.store(L_OUT + part, l_i)
+
+
+@triton.jit
+def _combine(
+    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX,
+    Hkv, Tq, n_parts, rows_pad,
+    G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr,
+):
+    """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials."""
+    pid = tl.program_id(0)
+    rows = Tq * G
+    bh = pid // rows
+    r = pid % rows
+    b = bh // Hkv
+    h = bh % Hkv
+    sp = tl.arange(0, NP)
+    d = tl.arange(0, D)
+    ok = sp < n_parts
+    base = (bh * rows_pad + r) * n_parts
+    m = tl.load(M_IN + base + sp, mask=ok, other=float("-inf"))
+    lsum = tl.load(L_IN + base + sp, mask=ok, other=0.0)
+    mx = tl.max(m, 0)
+    if HAS_SAUX:
+        aux = tl.load(SAUX + h * G + r % G).to(tl.float32) * 1.4426950408889634
+        mx = tl.maximum(mx, aux)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(m - mx_safe)
+    total = tl.sum(w * lsum, 0)
+    if HAS_SAUX:
+        total += tl.exp2(aux - mx_safe)
+    acc = tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0)
+    out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
+    t = r // G
+    tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + d, out.to(OUT.dtype.element_ty))

@@ -1,0 +1,56 @@
+"""What the kernels need to know about a codec's packed fields: `PackedFormat`. Plain Python, no Triton.
+
+A codec that the kernels can read returns a `PackedFormat` from `Codec.packed_format()`. The field layouts it
+promises (B = batch, H = kv-heads, D = head_dim, b = bits, rows along axis 2 as `_Rows` stores them):
+
+- `kind="fp8-e4m3" | "fp8-e5m2"`: `codes (B, H, T, D) uint8` (raw fp8 bytes); the value is `fp8(code) * scale`
+  with `scale (B or 1, H) float32` held in the format itself (one per sequence and kv-head).
+- `kind="uniform"`, `token_group=1` (per-token groups of `channel_group` channels): `codes (B, H, T, D*b/8) uint8`
+  (packed little-endian, see `hf_kvcache.quant.pack_bits`), `scale (B, H, T, D/channel_group) fp16` and, when
+  asymmetric, `zero` of the same shape. The value is `code * scale + zero`, or `(code - 2^(b-1)) * scale` when
+  symmetric.
+- `kind="uniform"`, `token_group=G > 1`, `channel_group=1` (KIVI keys, per channel over blocks of G tokens):
+  `codes (B, H, n, G, D*b/8) uint8`, `scale (B, H, n, D) fp16`, `zero (B, H, n, D) fp16`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_KINDS = ("fp8-e4m3", "fp8-e5m2")
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    kind: str  # "fp8-e4m3" | "fp8-e5m2" | "uniform"
+    bits: int = 8
+    token_group: int = 1  # consecutive tokens that share one scale (and zero) per channel
+    channel_group: int = 0  # consecutive channels that share one scale (and zero) per token; 0 = head_dim
+    symmetric: bool = False
+    scale: torch.Tensor | None = None  # fp8 only: (B or 1, H) float32
+
+    def __post_init__(self):
+        if self.kind not in FP8_KINDS + ("uniform",):
+            raise ValueError(f"unknown packed format kind {self.kind!r}")
+        if self.kind == "uniform" and self.bits not in (2, 4, 8):
+            raise ValueError(f"the kernels read 2, 4 or 8-bit codes, not {self.bits}")
+        if self.token_group > 1 and self.channel_group != 1:
+            raise ValueError("a format with token groups must quantize each channel separately (channel_group=1)")
+
+
+@dataclass
+class StreamTensors:
+    """One stream (keys or values) of a layer as the fused attention reads it, places in token order.
+
+    `sink (B, H, n_sink, D)` and `residual (B, H, n_residual, D)` in the model dtype (None when empty);
+    `fields`: the packed fields (views of the storage, layouts as in `PackedFormat`), empty when nothing is packed
+    yet; `n_packed` counts packed tokens.
+    """
+
+    sink: torch.Tensor | None
+    fields: dict[str, torch.Tensor]
+    fmt: PackedFormat
+    n_packed: int
+    residual: torch.Tensor | None

@@ -1,0 +1,214 @@
+"""Launchers of the fused attention: shape checks, grid and block sizes. The math is stated in `decode.py`'s
+docstring; the reference is `hf_kvcache.attention.reference_attention` over the same layer."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from . import backend
+from .layout import FP8_KINDS, StreamTensors
+
+# Split-K aims at this many programs per multiprocessor, and gives each split at least this many tiles.
+_PROGRAMS_PER_SM = 4
+_MIN_TILES_PER_SPLIT = 2
+_BLOCK_N = int(os.environ.get("HF_KVCACHE_BLOCK_N", "64"))
+_NUM_WARPS = int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4"))
+_NUM_STAGES = int(os.environ.get("HF_KVCACHE_NUM_STAGES", "2"))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _fmt_code(kind: str) -> int:
+    from . import decode
+
+    return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM}[kind]
+
+
+def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor) -> str | None:
+    """None if the fused kernel can serve this layer, else why not (the caller falls back to the reference)."""
+    d = query.shape[-1]
+    if d & (d - 1) or not 16 <= d <= 256:
+        return f"head_dim {d} is not a power of two in [16, 256]"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype}"
+    if values.fmt.token_group != 1:
+        return "values grouped along tokens"
+    for st in (keys, values):
+        if st.fmt.kind == "uniform" and st.fmt.token_group > 1 and st.fmt.token_group not in (16, 32, 64, 128):
+            return f"token group {st.fmt.token_group}"
+    return None
+
+
+def _len(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.shape[2]
+
+
+def _place(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """A (B, H, T, D) place and its batch, head and token strides (a dummy pointer when the place is empty)."""
+    if t is None or t.shape[2] == 0:
+        return dummy, 0, 0, 0
+    if t.stride(3) != 1:
+        raise ValueError("the innermost axis of a cache place must be contiguous")
+    return t, t.stride(0), t.stride(1), t.stride(2)
+
+
+def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
+    """Pointers and strides of the packed fields: codes + token stride, scale/zero + token and channel strides,
+    fp8 scale + batch and head strides."""
+    f, fmt = st.fields, st.fmt
+    fp8 = fmt.kind in FP8_KINDS
+    if st.n_packed == 0 or not f:
+        codes = scale = zero = dummy
+        c_strides, s_strides = (0, 0, 0), (0, 0, 0, 0)
+    else:
+        codes = f["codes"]
+        if fmt.token_group > 1:  # (B, H, n, G, D*b/8): tokens of consecutive blocks are consecutive rows
+            if codes.stride(2) != fmt.token_group * codes.stride(3) or codes.stride(4) != 1:
+                raise ValueError("per-channel key codes must be contiguous within and across blocks")
+            c_strides = (codes.stride(0), codes.stride(1), codes.stride(3))
+        else:
+            if codes.stride(3) != 1:
+                raise ValueError("packed codes must be contiguous along head_dim")
+            c_strides = (codes.stride(0), codes.stride(1), codes.stride(2))
+        if fp8:
+            scale = zero = dummy
+            s_strides = (0, 0, 0, 0)
+        else:
+            scale = f["scale"]
+            zero = f.get("zero", scale)
+            if zero.stride() != scale.stride():
+                raise ValueError("scale and zero must share a layout")
+            s_strides = tuple(scale.stride()[:4])
+    if fp8:
+        f8 = fmt.scale if fmt.scale is not None else torch.ones(1, 1, device=dummy.device)
+        f8 = f8.to(device=dummy.device, dtype=torch.float32)
+        f8_args = [f8, f8.stride(0) if f8.shape[0] > 1 else 0, f8.stride(1) if f8.shape[1] > 1 else 0]
+    else:
+        f8_args = [dummy, 0, 0]
+    return [codes, *c_strides, scale, *s_strides, zero], f8_args
+
+
+def decode_attention(
+    query: torch.Tensor,
+    keys: StreamTensors,
+    values: StreamTensors,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    exact_new: bool,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`softmax(q K^T * scaling) V` over every token the layer holds -> `(B, Tq, Hq, D)` in the query dtype.
+
+    `query (B, Hq, Tq, D)`; `keys`/`values`: the layer's places (`StreamTensors`); `k_new`/`v_new (B, Hkv, Tn, D)`:
+    this step's exact tokens, the last Tn the layer holds, read instead of their stored copies when `exact_new`;
+    `attention_mask`: boolean `(B or 1, 1, Tq, S)` (True = attend) over the S held tokens, or None for causal.
+    Hq must be a multiple of Hkv (GQA/MQA are read by head mapping).
+    """
+    from . import decode
+
+    b, hq, tq, d = query.shape
+    hkv = k_new.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
+    g = hq // hkv
+    n_sink = _len(keys.sink)
+    held = n_sink + keys.n_packed + _len(keys.residual)
+    n_new = k_new.shape[2] if exact_new else 0
+    stop = held - n_new
+    dummy = k_new
+
+    block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else _BLOCK_N
+    rows = tq * g
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    m_tiles = triton_cdiv(rows, block_m)
+    body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
+    n_body_tiles = body // block_n
+    per_split = b * hkv * m_tiles
+    if query.is_cuda and n_body_tiles:
+        target = _PROGRAMS_PER_SM * _multiprocessors(query.device.index or 0)
+        n_splits = max(1, min(math.ceil(target / per_split), n_body_tiles // _MIN_TILES_PER_SPLIT))
+    else:
+        n_splits = 1 if n_body_tiles else 0
+    tiles_per_split = math.ceil(n_body_tiles / n_splits) if n_splits else 0
+    n_splits = math.ceil(n_body_tiles / tiles_per_split) if n_splits else 0
+    n_parts = n_splits + 1
+
+    dev = query.device
+    part_acc = torch.empty((b * hkv * m_tiles * block_m * n_parts, d), device=dev, dtype=torch.float32)
+    part_m = torch.empty((b * hkv * m_tiles * block_m * n_parts,), device=dev, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+
+    has_mask = attention_mask is not None
+    if has_mask:
+        if attention_mask.dtype != torch.bool:
+            raise ValueError("the fused attention takes a boolean mask (True = attend)")
+        mask = attention_mask.view(torch.uint8)
+        m_args = [mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3)]
+    else:
+        m_args = [dummy, 0, 0, 0]
+
+    if query.dtype == torch.float32 or backend.interpreting():
+        dt, prec = decode.tl.float32, "ieee"
+    else:
+        dt, prec = (decode.tl.bfloat16 if query.dtype == torch.bfloat16 else decode.tl.float16), "tf32"
+
+    def stream_args(st: StreamTensors, new: torch.Tensor) -> list:
+        sink = _place(st.sink, dummy)
+        res = _place(st.residual, dummy)
+        newp = _place(new, dummy)
+        packed, f8 = _packed_args(st, dummy, d)
+        return [*sink, *packed, *res, *newp, *f8]
+
+    def fmt_args(st: StreamTensors, with_tokens: bool) -> list:
+        f = st.fmt
+        chg = f.channel_group or d
+        out = [_fmt_code(f.kind), f.bits]
+        if with_tokens:
+            out.append(f.token_group)
+        return out + [chg if f.kind == "uniform" else d, f.symmetric]
+
+    out = torch.empty((b, tq, hq, d), device=dev, dtype=query.dtype)
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    grid = (b * hkv, n_parts, m_tiles)
+    decode._attn_fwd[grid](
+        query, query.stride(0), query.stride(1), query.stride(2),
+        *stream_args(keys, k_new),
+        *stream_args(values, v_new),
+        *m_args,
+        part_acc, part_m, part_l,
+        hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
+        stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
+        float(scaling), float(softcap or 0.0),
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
+        HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
+        **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
+        **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    saux = s_aux if s_aux is not None else dummy
+    decode._combine[(b * hkv * rows,)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), saux,
+        hkv, tq, n_parts, m_tiles * block_m,
+        G=g, D=d, NP=max(triton_next_pow2(n_parts), 1), HAS_SAUX=s_aux is not None, num_warps=4,
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,95 @@
+"""The fused attention kernel against the reference attention over the same quantized layer (same stored codes:
+only the arithmetic order differs). On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py), on small shapes; on CUDA the same tests run compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_kvcache import kernels, make_cache
+from hf_kvcache.attention import fused_attention, reference_attention
+from hf_kvcache.cache import KVHandle
+from tests.helpers.methods import METHODS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not kernels.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+class _Model:
+    """Just enough of a model for `make_cache`: a config."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        self.config = LlamaConfig(
+            hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=head_dim, num_hidden_layers=1, vocab_size=32,
+        )
+        self.config._attn_implementation = "hf_kvcache"
+
+
+def _filled_layer(spec, kwargs, *, batch, heads, kv_heads, head_dim, steps, dtype, seed=0):
+    """A one-layer cache fed a prefill and then `steps` (new token counts) through `update()`; returns the cache
+    and the handles of the last step."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_cache(spec, _Model(heads, kv_heads, head_dim), **kwargs)
+    layer = cache.layers[0]
+    layer.fused = True
+    handles = None
+    for n in steps:
+        k = torch.randn(batch, kv_heads, n, head_dim, generator=gen)
+        v = torch.randn(batch, kv_heads, n, head_dim, generator=gen)
+        k[..., 3] *= 8  # an outlier channel, as real keys have
+        handles = layer.update(k.to(DEVICE, dtype), v.to(DEVICE, dtype))
+    return cache, handles
+
+
+def _compare(spec, kwargs, *, batch=2, heads=4, kv_heads=2, head_dim=64, steps=(70, 1), dtype=torch.float32,
+             mask=None, softcap=None, quantize_before=False, tol=None):
+    cache, (kh, vh) = _filled_layer(spec, kwargs, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    steps=steps, dtype=dtype)
+    cache.quantize_before_attention = quantize_before
+    tq = steps[-1]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, heads, tq, head_dim, generator=gen).to(DEVICE, dtype)
+    if mask is not None:
+        mask = mask.to(DEVICE)
+    with kernels.use_backend("triton"):
+        got = fused_attention(q, kh, vh, mask, head_dim**-0.5, softcap=softcap)
+    assert got is not None, "the kernel declined a layout it should read"
+    want = reference_attention(q, kh, vh, mask, head_dim**-0.5, softcap=softcap).transpose(1, 2)
+    atol = tol or (2e-5 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+SPECS = [(spec, easy) for spec, easy, _ in METHODS] + [(spec, hard) for spec, _, hard in METHODS]
+IDS = [f"{s}-easy" for s, _, _ in METHODS] + [f"{s}-hard" for s, _, _ in METHODS]
+
+
+@pytest.mark.parametrize("spec,kwargs", SPECS, ids=IDS)
+def test_decode_step_matches_reference(spec, kwargs):
+    _compare(spec, kwargs, steps=(150, 1, 1))
+
+
+@pytest.mark.parametrize("spec,kwargs", SPECS[:7], ids=IDS[:7])
+def test_chunk_of_queries_with_padding_mask(spec, kwargs):
+    """q_len > 1 over a stored past (chunked prefill / speculative verification), left padding in row 0."""
+    steps = (100, 9)
+    s = sum(steps)
+    mask = torch.ones(2, 1, 9, s, dtype=torch.bool).tril(diagonal=s - 9)
+    mask[0, :, :, :13] = False
+    _compare(spec, kwargs, steps=steps, mask=mask)
+
+
+@pytest.mark.parametrize("spec", ["int4-g32", "kivi-2", "fp8-e4m3"])
+def test_bfloat16_mqa_and_softcap(spec):
+    kwargs = {"residual_length": 32} if spec.startswith("kivi") else {}
+    _compare(spec, kwargs, heads=8, kv_heads=1, steps=(130, 1), dtype=torch.bfloat16, softcap=20.0)
+
+
+@pytest.mark.parametrize("spec", ["int2-g32", "kivi-4"])
+def test_paper_protocol_reads_the_stored_new_tokens(spec):
+    kwargs = {"residual_length": 32} if spec.startswith("kivi") else {}
+    _compare(spec, kwargs, steps=(90, 1), quantize_before=True)
