@@ -60,6 +60,12 @@ class Codec(ABC):
         several tokens (a per-channel range, a per-head amax) must ignore the others. None: all valid.
         """
 
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        """Like `encode`, writing the fields into `out` (views of the storage's next rows). Codecs with a pack
+        kernel override this to write in place; the default encodes and copies."""
+        for name, value in self.encode(x, valid).items():
+            out[name].copy_(value)
+
     @abstractmethod
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Fields `(B, H, n, ...)` -> `(B, H, n * block_size, D)` in `dtype`."""
@@ -110,6 +116,22 @@ class _Rows:
                 k: torch.empty((*v.shape[:2], cap, *v.shape[3:]), dtype=v.dtype, device=v.device)
                 for k, v in fields.items()
             }
+        self._make_room(n)
+        for k, v in fields.items():
+            self.data[k][:, :, self.end : self.end + n] = v
+        self.end += n
+
+    def reserve(self, n: int) -> dict[str, torch.Tensor] | None:
+        """Claim the next `n` rows (growing the storage if needed) and return views of them to write in place;
+        None before the first `append`, when the fields' shapes are not known yet."""
+        if self.data is None:
+            return None
+        self._make_room(n)
+        views = {k: v[:, :, self.end : self.end + n] for k, v in self.data.items()}
+        self.end += n
+        return views
+
+    def _make_room(self, n: int) -> None:
         cap = next(iter(self.data.values())).shape[2]
         if self.end + n > cap:
             live = len(self)
@@ -117,9 +139,6 @@ class _Rows:
                 self._compact(cap)
             else:
                 self._compact(max(int(math.ceil((live + n) * _GROWTH)), live + n + _MIN_GROW))
-        for k, v in fields.items():
-            self.data[k][:, :, self.end : self.end + n] = v
-        self.end += n
 
     def _compact(self, capacity: int) -> None:
         live = len(self)
@@ -227,7 +246,11 @@ class _Stream:
             start = self.first_position + self.n_sink + self.n_packed
             positions = torch.arange(start, start + n, device=x.device)
             valid = positions.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
-        self.packed.append(self.codec.encode(x, valid))
+        out = self.packed.reserve(n // self.codec.block_size)
+        if out is None:
+            self.packed.append(self.codec.encode(x, valid))
+        else:
+            self.codec.encode_into(x, valid, out)
         self.residual.drop_front(n)
 
     # --- reading

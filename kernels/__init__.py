@@ -3,6 +3,7 @@ cache. Triton is imported on first use, so importing this package is cheap and w
 
 from .backend import BACKENDS, get_backend, interpreting, set_backend, triton_available, use_backend, use_kernels
 from .layout import PackedFormat, StreamTensors
+from .ops import head_dim_ok
 
 __all__ = [
     "BACKENDS",
@@ -10,6 +11,8 @@ __all__ = [
     "StreamTensors",
     "decode_attention",
     "get_backend",
+    "head_dim_ok",
+    "ops",
     "interpreting",
     "set_backend",
     "triton_available",
@@ -18,8 +21,6 @@ __all__ = [
 ]
 
 
-def decode_attention(*args, **kwargs):
-    """See `hf_kvcache.kernels.ops.decode_attention`."""
-    from .ops import decode_attention as impl
+from . import ops  # noqa: E402  (imports Triton only when a kernel is first launched)
 
-    return impl(*args, **kwargs)
+decode_attention = ops.decode_attention

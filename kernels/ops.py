@@ -31,10 +31,15 @@ def _fmt_code(kind: str) -> int:
     return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM}[kind]
 
 
+def head_dim_ok(d: int) -> bool:
+    """The kernels handle head_dim a power of two from 16 to 256 (arange sizes); others use the reference."""
+    return 16 <= d <= 256 and not d & (d - 1)
+
+
 def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor) -> str | None:
     """None if the fused kernel can serve this layer, else why not (the caller falls back to the reference)."""
     d = query.shape[-1]
-    if d & (d - 1) or not 16 <= d <= 256:
+    if not head_dim_ok(d):
         return f"head_dim {d} is not a power of two in [16, 256]"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
@@ -212,3 +217,82 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def triton_next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+# ------------------------------------------------------------------------------------------ quantize/pack
+
+_PACK_BLOCK_T = 16
+
+
+def _bh_t_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    if t.stride(-1) != 1:
+        raise ValueError("the innermost axis must be contiguous")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def pack_per_token(
+    x: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool
+) -> None:
+    """`x (B, H, T, D)` -> `out["codes"] (B, H, T, D*bits/8) uint8`, `out["scale"]` (and `out["zero"]` unless
+    symmetric) `(B, H, T, D/group) fp16`, written in place (any views with a contiguous last axis).
+    Same numbers as `quant.quantize_uniform(x, bits, axis=-1, group_size=group_size, symmetric=symmetric)`."""
+    from . import pack
+
+    b, h, t, d = x.shape
+    codes, scale = out["codes"], out["scale"]
+    zero = scale if symmetric else out["zero"]
+    if zero.stride() != scale.stride():
+        raise ValueError("scale and zero must share a layout")
+    grid = (b * h, triton_cdiv(t, _PACK_BLOCK_T))
+    pack._pack_per_token[grid](
+        x, *_bh_t_strides(x), codes, *_bh_t_strides(codes), scale, *_bh_t_strides(scale), zero, t, h,
+        D=d, CHG=group_size or d, BITS=bits, SYM=symmetric, BLOCK_T=_PACK_BLOCK_T,
+    )
+
+
+def pack_per_channel(
+    x: torch.Tensor,
+    out: dict[str, torch.Tensor],
+    bits: int,
+    block_size: int,
+    valid: torch.Tensor | None = None,
+    range_search: tuple[float, ...] | None = None,
+) -> None:
+    """`x (B, H, n*G, D)` -> `out["codes"] (B, H, n, G, D*bits/8)`, `out["scale"]`, `out["zero"] (B, H, n, D) fp16`:
+    each channel of each block of G tokens is one asymmetric group (KIVI keys); `valid (B, n*G)` marks tokens that
+    are not left padding. Same numbers as `methods.kivi.PerChannelKeyCodec.encode` (with `range_search`, the chosen
+    candidate can differ where two candidates' squared errors tie to float rounding)."""
+    from . import pack
+
+    b, h, t, d = x.shape
+    grid_vals = tuple(range_search or (0.0,) * 5)
+    if len(grid_vals) != 5 or max(grid_vals) >= 0.5:
+        raise ValueError("the range search kernel takes 5 candidate fractions, each below 0.5")
+    codes, scale, zero = out["codes"], out["scale"], out["zero"]
+    if codes.stride(4) != 1 or codes.stride(3) != d * bits // 8 or scale.stride() != zero.stride():
+        raise ValueError("per-channel codes must be contiguous within a block; scale and zero must share a layout")
+    if valid is not None:
+        v = valid.view(torch.uint8)
+        v_args = [v, v.stride(0), v.stride(1)]
+    else:
+        v_args = [x, 0, 0]
+    pack._pack_per_channel[(b * h, t // block_size)](
+        x, *_bh_t_strides(x), *v_args, codes, *_bh_t_strides(codes), scale, *_bh_t_strides(scale), zero,
+        h, *grid_vals,
+        D=d, G=block_size, BITS=bits, HAS_VALID=valid is not None, SEARCH=range_search is not None,
+    )
+
+
+def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, fmax: float) -> None:
+    """`x (B, H, T, D)` -> `out (B, H, T, D) uint8`, the fp8 bytes of `clamp(x / scale, -fmax, fmax)`;
+    `scale (B or 1, H)`, `fmt` "e4m3" or "e5m2" (`quant.quantize_fp8`)."""
+    from . import pack
+
+    b, h, t, d = x.shape
+    s = scale.to(device=x.device, dtype=torch.float32)
+    grid = (b * h, triton_cdiv(t, _PACK_BLOCK_T))
+    pack._pack_fp8[grid](
+        x, *_bh_t_strides(x), out, *_bh_t_strides(out),
+        s, s.stride(0) if s.shape[0] > 1 else 0, s.stride(1) if s.shape[1] > 1 else 0, t, h, float(fmax),
+        D=d, E5M2=fmt == "e5m2", BLOCK_T=_PACK_BLOCK_T,
+    )

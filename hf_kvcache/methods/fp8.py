@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
-from ..quant import FP8_FORMATS, dequantize_fp8, fp8_scale, quantize_fp8
+from ..quant import FP8_FORMATS, dequantize_fp8, fp8_max, fp8_scale, quantize_fp8
 from ._common import attention_shape, check_choice, check_nonnegative_int
 
 SCALE_MODES = ("none", "dynamic", "calibrated")
@@ -38,7 +39,9 @@ class FP8Codec(Codec):
         if self.scale_mode == "none":
             return 1.0
         if self.scale_mode == "calibrated":
-            return self.fixed_scale.to(x.device if x is not None else self.fixed_scale.device)
+            if x is not None and self.fixed_scale.device != x.device:
+                self.fixed_scale = self.fixed_scale.to(x.device)  # once, not a host copy every step
+            return self.fixed_scale
         if "scale" not in self.state:
             scale = fp8_scale(x, self.fmt, dims=(2, 3), headroom=self.headroom)
             if valid is not None:
@@ -48,13 +51,33 @@ class FP8Codec(Codec):
             self.state["scale"] = scale
         return self.state["scale"]
 
-    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def _check_heads(self, x: torch.Tensor) -> None:
         if self.fixed_scale is not None and self.fixed_scale.shape[1] != x.shape[1]:
             raise ValueError(
                 f"calibrated FP8 scales have {self.fixed_scale.shape[1]} kv-heads but the model stores {x.shape[1]}; "
                 "the calibration was made for another model"
             )
-        return {"codes": quantize_fp8(x, self.fmt, self._scale(x, valid))}
+
+    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        self._check_heads(x)
+        scale = self._scale(x, valid)
+        if kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1]):
+            out = {"codes": torch.empty(x.shape, dtype=torch.uint8, device=x.device)}
+            self._pack(x, scale, out)
+            return out
+        return {"codes": quantize_fp8(x, self.fmt, scale)}
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        if kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1]):
+            self._check_heads(x)
+            self._pack(x, self._scale(x, valid), out)
+        else:
+            super().encode_into(x, valid, out)
+
+    def _pack(self, x: torch.Tensor, scale: torch.Tensor | float, out: dict[str, torch.Tensor]) -> None:
+        if not isinstance(scale, torch.Tensor):
+            scale = torch.full((1, 1), float(scale), device=x.device)
+        kernels.ops.pack_fp8(x, out["codes"], scale.reshape(scale.shape[0], -1), self.fmt, fp8_max(self.fmt))
 
     def packed_format(self) -> PackedFormat:
         scale = None

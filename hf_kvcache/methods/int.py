@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
 from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
@@ -33,13 +34,33 @@ class IntCodec(Codec):
         if head_dim % 8:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack {self.bits}-bit codes")
 
+    def _kernel(self, x: torch.Tensor) -> bool:
+        return self.packed_format() is not None and kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1])
+
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if self._kernel(x):
+            b, h, t, d = x.shape
+            groups = d // (self.group_size or d)
+            out = {
+                "codes": torch.empty((b, h, t, d * self.bits // 8), dtype=torch.uint8, device=x.device),
+                "scale": torch.empty((b, h, t, groups), dtype=torch.float16, device=x.device),
+            }
+            if not self.symmetric:
+                out["zero"] = torch.empty_like(out["scale"])
+            self.encode_into(x, valid, out)
+            return out
         # Per-token groups: a padding token only affects its own codes.
         q = quantize_uniform(x, self.bits, axis=-1, group_size=self.group_size, symmetric=self.symmetric)
         fields = {"codes": pack_bits(q.codes, self.bits), "scale": q.scale}
         if q.zero is not None:
             fields["zero"] = q.zero
         return fields
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        if self._kernel(x):
+            kernels.ops.pack_per_token(x, out, self.bits, self.group_size, self.symmetric)
+        else:
+            super().encode_into(x, valid, out)
 
     def packed_format(self) -> PackedFormat | None:
         if self.bits not in (2, 4, 8):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
 from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
@@ -46,9 +47,29 @@ class PerChannelKeyCodec(Codec):
         if head_dim % 8:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack {self.bits}-bit codes")
 
+    def _kernel(self, x: torch.Tensor) -> bool:
+        return (
+            self.packed_format() is not None and kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1])
+            and (self.range_search is None or len(self.range_search) == 5)
+        )
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        if self._kernel(x):
+            kernels.ops.pack_per_channel(x, out, self.bits, self.block_size, valid, self.range_search)
+        else:
+            super().encode_into(x, valid, out)
+
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         b, h, t, d = x.shape
         g = self.block_size
+        if self._kernel(x):
+            out = {
+                "codes": torch.empty((b, h, t // g, g, d * self.bits // 8), dtype=torch.uint8, device=x.device),
+                "scale": torch.empty((b, h, t // g, d), dtype=torch.float16, device=x.device),
+                "zero": torch.empty((b, h, t // g, d), dtype=torch.float16, device=x.device),
+            }
+            self.encode_into(x, valid, out)
+            return out
         blocks = x.float().reshape(b, h, t // g, g, d)  # (B, H, n, G, D): a group is one channel of a block
         if valid is not None and not bool(valid.all()):
             blocks = _fill_padding(blocks, valid.reshape(b, 1, t // g, g, 1))
@@ -71,8 +92,8 @@ class PerChannelKeyCodec(Codec):
 
 def _fill_padding(blocks: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Replace padding tokens of each channel group by the group's first valid value, so that they neither
-    widen the range nor cost precision (their codes are never attended to). A group with no valid token is
-    left as it is."""
+    widen the range nor cost precision (their codes are never attended to). A group with no valid token takes
+    its first token's value (a constant group, never read)."""
     valid = valid.expand_as(blocks)
     # The first valid value of each (block, channel): argmax over the token axis of the validity mask.
     first = valid.to(torch.uint8).argmax(dim=3, keepdim=True)

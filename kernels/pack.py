@@ -1,0 +1,181 @@
+"""Quantize/pack kernels: one pass from model-dtype K/V to codes and scales, written in place into the cache's
+preallocated storage. Each reproduces a reference of `hf_kvcache.quant` bit for bit (same fp16 outward rounding
+of scales and zeros, round-half-to-even codes, IEEE division), so a kernel-written cache decodes exactly like a
+reference-written one. Launchers: `hf_kvcache.kernels.ops.pack_*`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_FP16_MAX = 65504.0
+
+
+@triton.jit
+def _rint(x):
+    """Round half to even (torch.round) for |x| < 2^22: adding and removing 1.5 * 2^23 leaves no fraction bits."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _fp16_outward(x, UP: tl.constexpr):
+    """The fp16 value nearest to float32 `x` that is >= x (UP) or <= x, as float32 (`quant.round_fp16`)."""
+    x = tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+    h = x.to(tl.float16)
+    hf = h.to(tl.float32)
+    bits = h.to(tl.uint16, bitcast=True).to(tl.int32)
+    negative = (bits & 0x8000) != 0
+    if UP:
+        step = tl.where(negative, bits - 1, bits + 1)
+        out = tl.where(hf < x, step, bits)
+    else:
+        step = tl.where(bits == 0, 0x8001, tl.where(negative, bits + 1, bits - 1))
+        out = tl.where(hf > x, step, bits)
+    return out.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pack_rows(q, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Codes `(BLOCK, D)` int32 -> bytes `(BLOCK, D * BITS / 8)`, little-endian within each byte."""
+    PER: tl.constexpr = 8 // BITS
+    if PER == 1:
+        out = q
+    else:
+        q3 = tl.reshape(q, (BLOCK, D // PER, PER))
+        shifts = tl.arange(0, PER) * BITS
+        out = tl.sum(q3 << shifts[None, None, :], 2)
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def _pack_per_token(
+    X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, SC, ss_b, ss_h, ss_t, Z, T, H,
+    D: tl.constexpr, CHG: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Uniform codes in per-token groups of CHG channels (`quant.quantize_uniform(axis=-1, group_size=CHG)`)."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = tok < T
+    NG: tl.constexpr = D // CHG
+    j = tl.arange(0, NG)
+    e = tl.arange(0, CHG)
+    ch = j[None, :, None] * CHG + e[None, None, :]  # (1, NG, CHG)
+    x = tl.load(X + b * sx_b + h * sx_h + tok[:, None, None] * sx_t + ch, mask=ok[:, None, None], other=0.0)
+    x = x.to(tl.float32)  # (BLOCK_T, NG, CHG)
+    if SYM:
+        qmax = (1 << (BITS - 1)) - 1
+        scale = _fp16_outward(tl.math.div_rn(tl.max(tl.abs(x), 2), qmax * 1.0), True)  # (BLOCK_T, NG)
+        safe = tl.where(scale > 0, scale, 1.0)
+        q = _rint(tl.math.div_rn(x, safe[:, :, None]))
+        q = tl.minimum(tl.maximum(q, -qmax * 1.0), qmax * 1.0) + (1 << (BITS - 1))
+    else:
+        qmax = (1 << BITS) - 1
+        zero = _fp16_outward(tl.min(x, 2), False)
+        scale = _fp16_outward(tl.math.div_rn(tl.max(x, 2) - zero, qmax * 1.0), True)
+        safe = tl.where(scale > 0, scale, 1.0)
+        q = _rint(tl.math.div_rn(x - zero[:, :, None], safe[:, :, None]))
+        q = tl.minimum(tl.maximum(q, 0.0), qmax * 1.0)
+        tl.store(Z + b * ss_b + h * ss_h + tok[:, None] * ss_t + j[None, :], zero.to(tl.float16), mask=ok[:, None])
+    tl.store(SC + b * ss_b + h * ss_h + tok[:, None] * ss_t + j[None, :], scale.to(tl.float16), mask=ok[:, None])
+    PER: tl.constexpr = 8 // BITS
+    packed = _pack_rows(tl.reshape(q.to(tl.int32), (BLOCK_T, D)), BLOCK_T, D, BITS)
+    nb = tl.arange(0, D // PER)
+    tl.store(C + b * sc_b + h * sc_h + tok[:, None] * sc_t + nb[None, :], packed, mask=ok[:, None])
+
+
+@triton.jit
+def _pack_per_channel(
+    X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, C, sc_b, sc_h, sc_n, SC, ss_b, ss_h, ss_n, Z,
+    H, r0, r1, r2, r3, r4,
+    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, HAS_VALID: tl.constexpr, SEARCH: tl.constexpr,
+):
+    """KIVI keys: each channel of a block of G tokens is one asymmetric group (`PerChannelKeyCodec.encode`),
+    optionally with the least-squares range search over the grid (r0..r4, each < 0.5) of
+    `quantize_uniform(range_search=)`."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    blk = tl.program_id(1)
+    tok = tl.arange(0, G)
+    d = tl.arange(0, D)
+    x = tl.load(X + b * sx_b + h * sx_h + (blk * G + tok)[:, None] * sx_t + d[None, :]).to(tl.float32)  # (G, D)
+    if HAS_VALID:
+        # Left padding takes the value of the block's first valid token (a block with none: of its first token).
+        valid = tl.load(VALID + b * sv_b + (blk * G + tok) * sv_t) != 0
+        first = tl.min(tl.where(valid, tok, G), 0)
+        first = tl.where(first == G, 0, first)
+        first_row = tl.sum(tl.where((tok == first)[:, None], x, 0.0), 0)  # (D,)
+        x = tl.where(valid[:, None], x, first_row[None, :])
+    qmax = (1 << BITS) - 1
+    lo = tl.min(x, 0)
+    hi = tl.max(x, 0)
+    zero = _fp16_outward(lo, False)
+    scale = _fp16_outward(tl.math.div_rn(hi - zero, qmax * 1.0), True)
+    safe = tl.where(scale > 0, scale, 1.0)
+    q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x - zero[None, :], safe[None, :])), 0.0), qmax * 1.0)
+    if SEARCH:
+        dq = q * scale[None, :] + zero[None, :] - x
+        best = tl.sum(dq * dq, 0)
+        width = hi - lo
+        for ia in tl.static_range(5):
+            for ib in tl.static_range(5):
+                if ia + ib > 0:
+                    a = tl.where(ia == 0, r0, tl.where(ia == 1, r1, tl.where(ia == 2, r2, tl.where(ia == 3, r3, r4))))
+                    bb = tl.where(ib == 0, r0, tl.where(ib == 1, r1, tl.where(ib == 2, r2, tl.where(ib == 3, r3, r4))))
+                    cz = _fp16_outward(lo + a * width, False)
+                    cs = _fp16_outward(tl.math.div_rn(hi - bb * width - cz, qmax * 1.0), True)
+                    csafe = tl.where(cs > 0, cs, 1.0)
+                    cq = _rint(tl.math.div_rn(x - cz[None, :], csafe[None, :]))
+                    cq = tl.minimum(tl.maximum(cq, 0.0), qmax * 1.0)
+                    e = cq * cs[None, :] + cz[None, :] - x
+                    err = tl.sum(e * e, 0)
+                    better = err < best
+                    q = tl.where(better[None, :], cq, q)
+                    scale = tl.where(better, cs, scale)
+                    zero = tl.where(better, cz, zero)
+                    best = tl.minimum(err, best)
+    PER: tl.constexpr = 8 // BITS
+    packed = _pack_rows(q.to(tl.int32), G, D, BITS)
+    nb = tl.arange(0, D // PER)
+    base = C + b * sc_b + h * sc_h + blk * sc_n
+    tl.store(base + tok[:, None] * (D // PER) + nb[None, :], packed)
+    tl.store(SC + b * ss_b + h * ss_h + blk * ss_n + d, scale.to(tl.float16))
+    tl.store(Z + b * ss_b + h * ss_h + blk * ss_n + d, zero.to(tl.float16))
+
+
+@triton.jit
+def _fp8_grid(y, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """`y` (finite, within the format's range) rounded half-to-even to the nearest value of an fp8 format with
+    MANT mantissa bits and smallest normal exponent EMIN: the step is 2^(max(exponent of y, EMIN) - MANT)."""
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    p = tl.maximum(e, EMIN) - MANT
+    step = ((p + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - p) << 23).to(tl.float32, bitcast=True)  # powers of two: both products are exact
+    return _rint(y * inv) * step
+
+
+@triton.jit
+def _pack_fp8(
+    X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, S, ss_b, ss_h, T, H, fmax,
+    D: tl.constexpr, E5M2: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """FP8 bytes of `clamp(x / scale)` (`quant.quantize_fp8`), one scale per (batch row, kv-head)."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = tok[:, None] < T
+    d = tl.arange(0, D)
+    x = tl.load(X + b * sx_b + h * sx_h + tok[:, None] * sx_t + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(S + b * ss_b + h * ss_h)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -fmax), fmax)
+    # Round to the format's grid first (round half to even), so the cast below only converts exact values:
+    # Triton's interpreter mis-rounds fp8 casts that carry into the exponent.
+    if E5M2:
+        c = _fp8_grid(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        c = _fp8_grid(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(C + b * sc_b + h * sc_h + tok[:, None] * sc_t + d[None, :], c, mask=ok)

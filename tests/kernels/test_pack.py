@@ -1,0 +1,90 @@
+"""Quantize/pack kernels against the reference codecs: the same bytes (codes, fp16 scales and zeros), written in
+place into the cache's storage. CPU: Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcache import kernels, make_cache
+from hf_kvcache.methods.fp8 import FP8Codec
+from hf_kvcache.methods.int import IntCodec
+from hf_kvcache.methods.kivi import KEY_RANGE_GRID, PerChannelKeyCodec
+from tests.kernels.test_decode import DEVICE, _filled_layer
+
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not kernels.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+
+def _x(shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen)
+    x[..., 5] *= 12  # an outlier channel
+    x[0, 0, 0] = 0.25  # a constant vector: a zero range never divides by zero
+    return x.to(DEVICE, dtype)
+
+
+def _both(codec, x, valid=None):
+    with kernels.use_backend("torch"):
+        want = codec.encode(x, valid)
+    with kernels.use_backend("triton"):
+        got = codec.encode(x, valid)
+    return got, want
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(8, None, True), (4, 32, False), (2, 32, False), (4, 64, False),
+                                                  (2, None, False), (4, 32, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_codes_are_the_reference_bytes(bits, group, symmetric, dtype):
+    got, want = _both(IntCodec(bits, group, symmetric), _x((2, 3, 21, 64), dtype))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_per_channel_key_blocks_with_padding(bits):
+    x = _x((2, 2, 64, 64))
+    valid = torch.ones(2, 64, dtype=torch.bool, device=DEVICE)
+    valid[0, :40] = False  # row 0: the first block is all padding, the second half padding
+    got, want = _both(PerChannelKeyCodec(bits, 32), x, valid)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_per_channel_range_search_picks_an_equally_good_range():
+    """Candidates whose squared errors tie to float rounding may be chosen differently (summation order); the
+    kernel's reconstruction error must match the reference's."""
+    codec = PerChannelKeyCodec(2, 32, KEY_RANGE_GRID)
+    x = _x((1, 2, 64, 64))
+    got, want = _both(codec, x)
+    err = {k: (codec.decode(f, torch.float32) - x.float()).pow(2).sum().item() for k, f in (("got", got), ("want", want))}
+    assert err["got"] == pytest.approx(err["want"], rel=1e-5), err
+    same = (got["codes"] == want["codes"]).float().mean().item()
+    assert same > 0.99, f"only {same:.3f} of the code bytes agree"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_bytes_clamp_like_the_reference(fmt):
+    x = _x((2, 2, 19, 64)) * 50  # far beyond the scale's range: both must clamp, never NaN
+    for mode, scale in (("none", None), ("calibrated", torch.tensor([0.02, 0.5]))):
+        got, want = _both(FP8Codec(fmt, mode, scale), x)
+        assert torch.equal(got["codes"], want["codes"]), mode
+
+
+@pytest.mark.parametrize("spec,kwargs", [("int4-g32", {"residual_length": 16}), ("kivi-2", {"residual_length": 32}),
+                                         ("fp8-e4m3", {}), ("int8", {"sink_tokens": 3})])
+def test_cache_storage_written_in_place_equals_the_reference(spec, kwargs):
+    """Prefill plus decode steps through the cache: storage grown and appended in place by the kernels holds
+    exactly what the reference writes."""
+    caches = {}
+    for backend in ("torch", "triton"):
+        with kernels.use_backend(backend):
+            caches[backend], _ = _filled_layer(spec, kwargs, batch=2, heads=4, kv_heads=2, head_dim=64,
+                                               steps=(70,) + (1,) * 40, dtype=torch.float32)
+    for name in ("key_stream", "value_stream"):
+        a, b = (getattr(caches[k].layers[0], name) for k in ("torch", "triton"))
+        assert a.n_packed == b.n_packed > 0
+        for field, value in a.packed.view().items():
+            assert torch.equal(value, b.packed.view()[field]), (name, field)
