@@ -140,6 +140,14 @@ class _Rows:
             else:
                 self._compact(max(int(math.ceil((live + n) * _GROWTH)), live + n + _MIN_GROW))
 
+    def shrink(self, rows: int) -> None:
+        """Reallocate to about `rows` rows of capacity if far more is allocated (never below what is live)."""
+        if self.data is None:
+            return
+        target = max(rows, len(self)) + _MIN_GROW
+        if next(iter(self.data.values())).shape[2] > 2 * target:
+            self._compact(target)
+
     def _compact(self, capacity: int) -> None:
         live = len(self)
         new = {}
@@ -252,6 +260,8 @@ class _Stream:
         else:
             self.codec.encode_into(x, valid, out)
         self.residual.drop_front(n)
+        # A prefill passes through the residual once: give its storage back rather than hold a dense copy.
+        self.residual.shrink(self.residual_length + self.codec.block_size)
 
     # --- reading
     def dense(self, dtype: torch.dtype) -> torch.Tensor:

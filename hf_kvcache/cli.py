@@ -329,6 +329,22 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate any methods: perplexity, passkey, memory")
     _add_common(evaluate)
     _add_eval_options(evaluate)
+    bench = sub.add_parser(
+        "bench",
+        help="GPU benchmarks: decode-attention kernels, end-to-end generate, capacity",
+        description="Decode attention against bf16 SDPA (flash, GQA), model.generate against DynamicCache and "
+        "transformers' QuantizedCache, and the batch that fits a memory budget. Needs a CUDA GPU.",
+    )
+    bench.add_argument("--parts", default="kernel,e2e,capacity", help="which parts (default all three)")
+    bench.add_argument("--methods", default=None, help="cache specs (default: FP8, INT8, INT4, INT2 and KIVI, bench.KERNEL_SPECS)")
+    bench.add_argument("--batches", default="1,16,64", help="kernel grid batches")
+    bench.add_argument("--contexts", default="4096,32768,131072", help="kernel grid contexts in tokens")
+    bench.add_argument("--e2e-batch", type=int, default=16)
+    bench.add_argument("--e2e-context", type=int, default=32768)
+    bench.add_argument("--e2e-layers", type=int, default=8, help="decoder layers of the 8B-shaped model")
+    bench.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per end-to-end run")
+    bench.add_argument("--budget-gb", type=float, default=80.0, help="KV memory budget of the capacity part")
+    bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
 
@@ -385,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     full_argv = ["hf-kvcache", *(sys.argv[1:] if argv is None else argv)]
+    if args.command == "bench":
+        return _bench(args)
     try:
         cfg = config_from_args(args)
         if args.threads is not None:
@@ -402,6 +420,42 @@ def main(argv: list[str] | None = None) -> int:
 
     print(format_table(table_rows(metrics)))
     print(f"\n{TABLE_NOTE}\nresults: {path}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .bench import BenchConfig, run
+
+    try:
+        parts = tuple(p for p in args.parts.split(",") if p)
+        unknown = set(parts) - {"kernel", "e2e", "capacity"}
+        if unknown:
+            raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, capacity")
+        cfg = BenchConfig(
+            parts=parts,
+            batches=_int_list(args.batches, "--batches"),
+            contexts=_int_list(args.contexts, "--contexts"),
+            e2e_batch=args.e2e_batch,
+            e2e_context=args.e2e_context,
+            e2e_layers=args.e2e_layers,
+            e2e_new_tokens=args.new_tokens,
+            capacity_budget_gb=args.budget_gb,
+        )
+        if args.methods is not None:
+            cfg.methods = tuple(split_methods(args.methods))
+        if not torch.cuda.is_available():
+            raise UsageError("bench measures GPU speed and needs a CUDA device (none is visible)")
+    except UsageError as error:
+        print(f"hf-kvcache: error: {error}", file=sys.stderr)
+        return 2
+    results = run(cfg)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
     return 0
 
 

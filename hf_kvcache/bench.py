@@ -1,0 +1,334 @@
+"""GPU benchmarks behind `hf-kvcache bench`: decode-attention kernels, end-to-end `generate`, and capacity.
+
+Each part prints its baseline measured in the same run (STYLE.md #10):
+- kernel: one decode step of attention (Llama-3-8B heads: 32 q, 8 kv, head_dim 128) over a (batch x context)
+  grid, ours (`hf_kvcache.attention.fused_attention` on a filled cache layer) against PyTorch's
+  `scaled_dot_product_attention` on bf16 K/V with its flash backend and GQA (never cuDNN, whose per-length
+  planning costs ~13 ms of CPU a call on the GPU host, see DESIGN.md). Reported: time, speed-up, GB/s of cache
+  bytes read against the copy bandwidth measured in the same run, and the roofline 2/B.
+- e2e: `model.generate` decode tokens/s and peak memory (prefill included) of a Llama-3-8B-shaped model with
+  random bf16 weights (fewer layers by default, the per-layer shapes are the 8B's), against DynamicCache and
+  transformers' QuantizedCache (quanto backend) when optimum-quanto is importable.
+- capacity: the largest batch at a context that fits a fixed KV memory budget, from the bytes a real cache
+  allocates for one sequence (all of the model's layers), against a bf16 cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LlamaConfig
+
+from . import _compat
+from .presets import make_cache
+
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+)
+KERNEL_SPECS = ("fp8-e4m3", "int8", "int4-g32", "int4-g128", "kivi-4", "int2-g32", "kivi-2")
+
+
+@dataclass
+class BenchConfig:
+    parts: tuple[str, ...] = ("kernel", "e2e", "capacity")
+    methods: tuple[str, ...] = KERNEL_SPECS
+    batches: tuple[int, ...] = (1, 16, 64)
+    contexts: tuple[int, ...] = (4096, 32768, 131072)
+    e2e_batch: int = 16
+    e2e_context: int = 32768
+    e2e_layers: int = 8
+    e2e_new_tokens: int = 32
+    capacity_context: int = 32768
+    capacity_budget_gb: float = 80.0
+    results: dict = field(default_factory=dict)
+
+
+class _ConfigOnly:
+    """What `make_cache` needs of a model: its config."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def _llama_config(layers: int, attn: str = "hf_kvcache") -> LlamaConfig:
+    config = LlamaConfig(**LLAMA3_8B, num_hidden_layers=layers)
+    config._attn_implementation = attn
+    return config
+
+
+def _bench_ms(fn, rep_ms: int = 100) -> float:
+    """Median time of `fn` in ms (CUDA events, L2 flushed between calls, Triton's do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy: (bytes read + bytes written) / time, GB/s."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    ms = _bench_ms(lambda: b.copy_(a))
+    del a, b
+    return 2 * nbytes / ms / 1e6
+
+
+def _sdpa_decode(q, k, v):
+    """bf16 SDPA baseline with GQA: the flash backend if it takes this call, else the efficient one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import torch.nn.functional as F
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            continue
+
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        return run, backend.name
+    raise RuntimeError("neither the flash nor the efficient SDPA backend takes a GQA decode call here")
+
+
+def _filled_layer(spec: str, k: torch.Tensor, v: torch.Tensor, config):
+    """A one-layer cache of `spec` holding `k, v (B, Hkv, S, D)` plus one decode token; returns the cache and the
+    handles of that step."""
+    cache = make_cache(spec, _ConfigOnly(config))
+    layer = cache.layers[0]
+    layer.fused = True
+    layer.update(k, v)
+    return cache, layer.update(k[:, :, -1:].clone(), v[:, :, -1:].clone())
+
+
+def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
+    from .attention import fused_attention, reference_attention
+
+    config = _llama_config(1)
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    bw = copy_bandwidth_gbs()
+    log(f"copy bandwidth: {bw:.0f} GB/s (read + write)")
+    rows = []
+    free = torch.cuda.mem_get_info()[0]
+    for s in cfg.contexts:
+        for b in cfg.batches:
+            dense_bytes = 2 * b * hkv * s * d * 2
+            if 4.5 * dense_bytes > free:
+                log(f"skip batch {b} context {s}: {dense_bytes / 1e9:.1f} GB of bf16 K/V does not fit 4.5x")
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            k[..., 7] *= 10  # an outlier channel
+            q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            run, backend = _sdpa_decode(q, k, v)
+            base_ms = _bench_ms(run)
+            base = dict(batch=b, context=s, method="bf16 sdpa", backend=backend, ms=base_ms, bytes=dense_bytes,
+                        gbs=dense_bytes / base_ms / 1e6, speedup=1.0)
+            rows.append(base)
+            log(_kernel_line(base, bw))
+            for spec in cfg.methods:
+                cache, (kh, vh) = _filled_layer(spec, k, v, config)
+                scale = d**-0.5
+                out = fused_attention(q, kh, vh, None, scale)
+                if out is None:
+                    log(f"{spec}: no kernel for this layout")
+                    continue
+                if b * s <= 16 * 4096:  # check against the reference where it is cheap
+                    ref = reference_attention(q, kh, vh, None, scale, chunk_tokens=4096).transpose(1, 2)
+                    err = (out.float() - ref).abs().max().item()
+                else:
+                    err = float("nan")
+                ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, scale))
+                nbytes = cache.layers[0].nbytes()
+                per_elem = nbytes / (2 * b * hkv * (s + 1) * d)
+                row = dict(batch=b, context=s, method=spec, ms=ms, bytes=nbytes, gbs=nbytes / ms / 1e6,
+                           speedup=base_ms / ms, bytes_per_element=per_elem, roofline=2 / per_elem,
+                           max_abs_err_vs_reference=err)
+                rows.append(row)
+                log(_kernel_line(row, bw))
+                del cache, kh, vh
+            del k, v, q
+            gc.collect()
+            torch.cuda.empty_cache()
+    cfg.results["kernel"] = dict(copy_gbs=bw, rows=rows)
+    return rows
+
+
+def _kernel_line(r: dict, bw: float) -> str:
+    extra = ""
+    if "roofline" in r:
+        extra = (f"  B={r['bytes_per_element']:.3f}  2/B={r['roofline']:.2f}  of 2/B {r['speedup'] / r['roofline']:.0%}"
+                 f"  err {r['max_abs_err_vs_reference']:.1e}")
+    return (f"batch {r['batch']:>3} ctx {r['context']:>6} {r['method']:>10}: {r['ms'] * 1e3:9.1f} us  "
+            f"x{r['speedup']:5.2f}  {r['gbs']:6.0f} GB/s ({r['gbs'] / bw:4.0%} of copy){extra}")
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def _random_model(layers: int):
+    from transformers import LlamaForCausalLM
+
+    config = _llama_config(layers, attn="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def _set_attention(model, name: str) -> None:
+    model.config._attn_implementation = name
+    for module in model.modules():
+        if getattr(module, "config", None) is not None:
+            module.config._attn_implementation = name
+
+
+def _make_e2e_cache(name: str, model):
+    from transformers import DynamicCache
+
+    if name == "dynamic":
+        return DynamicCache(config=model.config), "sdpa"
+    if name.startswith("hf-quanto"):
+        from transformers import QuantizedCache
+
+        nbits = int(name.split("-int")[1])
+        return QuantizedCache(backend="quanto", config=model.config, nbits=nbits), "sdpa"
+    return make_cache(name, model), "hf_kvcache"
+
+
+def quanto_available() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
+    model = _random_model(cfg.e2e_layers)
+    b, s, n = cfg.e2e_batch, cfg.e2e_context, cfg.e2e_new_tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (b, s), device="cuda", generator=gen)
+    names = ["dynamic"] + (["hf-quanto-int4", "hf-quanto-int2"] if quanto_available() else []) + list(cfg.methods)
+    if not quanto_available():
+        log("transformers' QuantizedCache: optimum-quanto is not importable here, baseline skipped")
+    rows = []
+    for name in names:
+        try:
+            rows.append(_e2e_one(model, name, ids, n, log))
+        except torch.cuda.OutOfMemoryError as error:
+            log(f"{name}: out of memory ({str(error).splitlines()[0]})")
+            rows.append(dict(method=name, oom=True))
+        gc.collect()
+        torch.cuda.empty_cache()
+    base = rows[0].get("decode_tok_s")
+    for r in rows:
+        if base and "decode_tok_s" in r:
+            r["vs_dynamic"] = r["decode_tok_s"] / base
+            log(f"{r['method']:>16}: decode {r['decode_tok_s']:8.1f} tok/s (x{r['vs_dynamic']:.2f} DynamicCache)  "
+                f"step {r['step_ms']:7.2f} ms  prefill {r['prefill_s']:6.2f} s  peak {r['peak_gb']:6.2f} GB  "
+                f"cache {r['cache_gb']:6.2f} GB")
+    cfg.results["e2e"] = dict(batch=b, context=s, layers=cfg.e2e_layers, new_tokens=n, rows=rows)
+    del model
+    return rows
+
+
+def _e2e_one(model, name: str, ids: torch.Tensor, n: int, log) -> dict:
+    b = ids.shape[0]
+    # Warm-up on a short prompt: Triton compiles, allocator settles.
+    cache, attn = _make_e2e_cache(name, model)
+    _set_attention(model, attn)
+    model.generate(ids[:, :256], attention_mask=torch.ones_like(ids[:, :256]), max_new_tokens=4, min_new_tokens=4,
+                   do_sample=False, **_compat.cache_kwargs(cache))
+    del cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated()
+    cache, _ = _make_e2e_cache(name, model)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids[:, :-1], use_cache=True, logits_to_keep=1, **_compat.cache_kwargs(cache))
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, **_compat.cache_kwargs(cache))
+    torch.cuda.synchronize()
+    decode_s = time.perf_counter() - t0
+    assert out.shape == (b, ids.shape[1] + n)
+    peak = torch.cuda.max_memory_allocated() - base_mem
+    cache_bytes = cache.nbytes() if hasattr(cache, "nbytes") else _dense_cache_bytes(cache)
+    del cache, out
+    return dict(method=name, prefill_s=prefill_s, decode_s=decode_s, decode_tok_s=b * n / decode_s,
+                step_ms=decode_s / n * 1e3, peak_gb=peak / 1e9, cache_gb=cache_bytes / 1e9)
+
+
+def _dense_cache_bytes(cache) -> int:
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------------- capacity
+
+
+def capacity_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Bytes one sequence of `capacity_context` tokens takes in each cache (measured on one layer of the 8B
+    shape, times 32 layers), and the largest batch that fits `capacity_budget_gb`."""
+    layers = 32
+    config = _llama_config(1)
+    hkv, d, s = config.num_key_value_heads, config.head_dim, cfg.capacity_context
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(1, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    budget = cfg.capacity_budget_gb * 1e9
+    bf16_seq = 2 * 2 * hkv * d * s * layers
+    rows = [dict(method="bf16", seq_bytes=bf16_seq, batch=int(budget // bf16_seq), ratio=1.0)]
+    for spec in cfg.methods:
+        cache = make_cache(spec, _ConfigOnly(config))
+        cache.layers[0].update(k, v)
+        seq = cache.layers[0].allocated_nbytes() * layers
+        rows.append(dict(method=spec, seq_bytes=seq, batch=int(budget // seq), ratio=bf16_seq / seq))
+        del cache
+    for r in rows:
+        log(f"{r['method']:>10}: {r['seq_bytes'] / 1e9:6.3f} GB per {s}-token sequence -> batch {r['batch']:4d} in "
+            f"{cfg.capacity_budget_gb:.0f} GB ({r['ratio']:.2f}x the tokens of bf16)")
+    cfg.results["capacity"] = dict(context=s, budget_gb=cfg.capacity_budget_gb, layers=layers, rows=rows)
+    return rows
+
+
+def run(cfg: BenchConfig, log=print) -> dict:
+    if not torch.cuda.is_available():
+        raise RuntimeError("hf-kvcache bench measures GPU speed and needs a CUDA device")
+    # The baselines run without PyTorch's cuDNN attention (per-length plans, see DESIGN.md): say so.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    props = torch.cuda.get_device_properties(0)
+    import transformers
+    import triton
+
+    cfg.results["env"] = dict(
+        gpu=props.name, torch=torch.__version__, transformers=transformers.__version__, triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d"), cudnn_sdp=False,
+    )
+    log(json.dumps(cfg.results["env"]))
+    parts = {"kernel": kernel_part, "e2e": e2e_part, "capacity": capacity_part}
+    for part in cfg.parts:
+        log(f"\n== {part}")
+        with torch.no_grad():
+            parts[part](cfg, log)
+    return cfg.results
