@@ -45,6 +45,8 @@ class BenchConfig:
     e2e_new_tokens: int = 32
     capacity_context: int = 32768
     capacity_budget_gb: float = 80.0
+    sweep_batch: int = 16
+    sweep_context: int = 32768
     results: dict = field(default_factory=dict)
 
 
@@ -148,11 +150,17 @@ def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
                 else:
                     err = float("nan")
                 ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, scale))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fused_attention(q, kh, vh, None, scale)
+                host_us = (time.perf_counter() - t0) / 20 * 1e6  # CPU time to launch one step
+                torch.cuda.synchronize()
                 nbytes = cache.layers[0].nbytes()
                 per_elem = nbytes / (2 * b * hkv * (s + 1) * d)
                 row = dict(batch=b, context=s, method=spec, ms=ms, bytes=nbytes, gbs=nbytes / ms / 1e6,
                            speedup=base_ms / ms, bytes_per_element=per_elem, roofline=2 / per_elem,
-                           max_abs_err_vs_reference=err)
+                           max_abs_err_vs_reference=err, host_us=host_us)
                 rows.append(row)
                 log(_kernel_line(row, bw))
                 del cache, kh, vh
@@ -163,11 +171,50 @@ def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
     return rows
 
 
+def sweep_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Launch parameters of the fused attention at one (batch, context) per spec: tile tokens, warps, stages."""
+    from .attention import fused_attention
+    from .kernels import ops
+
+    config = _llama_config(1)
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    b, s = cfg.sweep_batch, cfg.sweep_context
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    run, _ = _sdpa_decode(q, k, v)
+    base_ms = _bench_ms(run)
+    log(f"sweep at batch {b} context {s}: bf16 sdpa {base_ms * 1e3:.1f} us")
+    saved = dict(ops.TUNING)
+    rows = []
+    for spec in cfg.methods:
+        cache, (kh, vh) = _filled_layer(spec, k, v, config)
+        per_channel_keys = cache.layers[0].key_stream.codec.packed_format().token_group > 1
+        for block_n in (64,) if per_channel_keys else (32, 64, 128):  # per-channel keys: a tile is a block
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, d**-0.5), rep_ms=50)
+                    except Exception as error:  # a configuration that does not compile (shared memory, ...)
+                        log(f"{spec} block_n {block_n} warps {warps} stages {stages}: {type(error).__name__}")
+                        continue
+                    rows.append(dict(method=spec, block_n=block_n, num_warps=warps, num_stages=stages, ms=ms,
+                                     speedup=base_ms / ms))
+                    log(f"{spec:>10} block_n {block_n:>3} warps {warps} stages {stages}: {ms * 1e3:8.1f} us "
+                        f"x{base_ms / ms:.2f}")
+        ops.TUNING.update(saved)
+        del cache, kh, vh
+    cfg.results["sweep"] = dict(batch=b, context=s, base_ms=base_ms, rows=rows)
+    return rows
+
+
 def _kernel_line(r: dict, bw: float) -> str:
     extra = ""
     if "roofline" in r:
         extra = (f"  B={r['bytes_per_element']:.3f}  2/B={r['roofline']:.2f}  of 2/B {r['speedup'] / r['roofline']:.0%}"
-                 f"  err {r['max_abs_err_vs_reference']:.1e}")
+                 f"  err {r['max_abs_err_vs_reference']:.1e}  host {r['host_us']:.0f} us")
     return (f"batch {r['batch']:>3} ctx {r['context']:>6} {r['method']:>10}: {r['ms'] * 1e3:9.1f} us  "
             f"x{r['speedup']:5.2f}  {r['gbs']:6.0f} GB/s ({r['gbs'] / bw:4.0%} of copy){extra}")
 
@@ -326,7 +373,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
         date=time.strftime("%Y-%m-%d"), cudnn_sdp=False,
     )
     log(json.dumps(cfg.results["env"]))
-    parts = {"kernel": kernel_part, "e2e": e2e_part, "capacity": capacity_part}
+    parts = {"kernel": kernel_part, "e2e": e2e_part, "capacity": capacity_part, "sweep": sweep_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

@@ -335,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode attention against bf16 SDPA (flash, GQA), model.generate against DynamicCache and "
         "transformers' QuantizedCache, and the batch that fits a memory budget. Needs a CUDA GPU.",
     )
-    bench.add_argument("--parts", default="kernel,e2e,capacity", help="which parts (default all three)")
+    bench.add_argument(
+        "--parts", default="kernel,e2e,capacity", help="kernel, e2e, capacity (default), and sweep (launch parameters)"
+    )
     bench.add_argument("--methods", default=None, help="cache specs (default: FP8, INT8, INT4, INT2 and KIVI, bench.KERNEL_SPECS)")
     bench.add_argument("--batches", default="1,16,64", help="kernel grid batches")
     bench.add_argument("--contexts", default="4096,32768,131072", help="kernel grid contexts in tokens")
@@ -432,9 +434,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         parts = tuple(p for p in args.parts.split(",") if p)
-        unknown = set(parts) - {"kernel", "e2e", "capacity"}
+        unknown = set(parts) - {"kernel", "e2e", "capacity", "sweep"}
         if unknown:
-            raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, capacity")
+            raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, capacity, sweep")
         cfg = BenchConfig(
             parts=parts,
             batches=_int_list(args.batches, "--batches"),
@@ -446,7 +448,7 @@ def _bench(args: argparse.Namespace) -> int:
             capacity_budget_gb=args.budget_gb,
         )
         if args.methods is not None:
-            cfg.methods = tuple(split_methods(args.methods))
+            cfg.methods = tuple(split_methods([args.methods]))
         if not torch.cuda.is_available():
             raise UsageError("bench measures GPU speed and needs a CUDA device (none is visible)")
     except UsageError as error:

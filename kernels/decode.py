@@ -185,9 +185,9 @@ def _attn_fwd(
             qsum3 = tl.sum(q3.to(tl.float32), 2)[:, :, None]  # (NGK, BLOCK_M, 1)
             q3 = q3.to(DT)
         if V_FMT == 3:
-            acc = tl.zeros((NGV, BLOCK_M, V_CHG), tl.float32)
+            acc3 = tl.zeros((NGV, BLOCK_M, V_CHG), tl.float32)
         else:
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            acc3 = tl.zeros((BLOCK_M, D), tl.float32)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
         for tile in range(lo, hi):
@@ -225,7 +225,7 @@ def _attn_fwd(
             # ---- values
             if V_FMT != 3:
                 c = tl.load(vc + (p0 + n)[:, None] * svc_t + d[None, :])
-                acc = acc * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
+                acc3 = acc3 * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
             else:
                 tv = (p0 + n)[None, :, None]
                 c3 = _unpack(vc, tv * svc_t, jv[:, None, None] * V_CHG + ev[None, None, :], None, V_BITS, False)
@@ -236,12 +236,12 @@ def _attn_fwd(
                 else:
                     z3 = tl.load(vz + soff).to(tl.float32)
                 pw = p[None, :, :] * sc3  # (NGV, BLOCK_M, BLOCK_N)
-                acc = acc * alpha[None, :, None] + _dot(pw.to(DT), c3.to(DT), PREC)
-                acc += tl.sum(p[None, :, :] * z3, 2)[:, :, None]
+                acc3 = acc3 * alpha[None, :, None] + _dot(pw.to(DT), c3.to(DT), PREC)
+                acc3 += tl.sum(p[None, :, :] * z3, 2)[:, :, None]
         if V_FMT == 3:
-            out = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_M, D))
+            out = tl.reshape(tl.permute(acc3, (1, 0, 2)), (BLOCK_M, D))
         else:
-            out = acc * v_scale
+            out = acc3 * v_scale
     else:
         # ------------------------------------------------------------------ tail: every other token
         body_end = n_sink + n_body_tiles * BLOCK_N
@@ -263,7 +263,7 @@ def _attn_fwd(
         vc = VC + b * svc_b + h * svc_h
         vsc = VSC + b * svsc_b + h * svsc_h
         vz = VZ + b * svsc_b + h * svsc_h
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        acc_t = tl.zeros((BLOCK_M, D), tl.float32)
         n_first = tl.cdiv(n_sink, BLOCK_N)
         n_rest = tl.cdiv(tl.maximum(end - body_end, 0), BLOCK_N)
         for i in range(0, n_first + n_rest):
@@ -285,8 +285,8 @@ def _attn_fwd(
             vt = _place_tile(vs, vr, vn, vc, vsc, vz, svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale,
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, stop, n_new, DT,
                              V_FMT, V_BITS, 1, V_CHG, V_SYM)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
-        out = acc
+            acc_t = acc_t * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+        out = acc_t
     tl.store(ACC + part[:, None] * D + d[None, :], out)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)

@@ -12,12 +12,16 @@ import torch
 from . import backend
 from .layout import FP8_KINDS, StreamTensors
 
-# Split-K aims at this many programs per multiprocessor, and gives each split at least this many tiles.
-_PROGRAMS_PER_SM = 4
-_MIN_TILES_PER_SPLIT = 2
-_BLOCK_N = int(os.environ.get("HF_KVCACHE_BLOCK_N", "64"))
-_NUM_WARPS = int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4"))
-_NUM_STAGES = int(os.environ.get("HF_KVCACHE_NUM_STAGES", "2"))
+# Launch parameters of the fused attention (the benchmark's sweep sets them; the environment can too):
+# tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
+# split-K's target of programs per multiprocessor (each split keeps at least `min_tiles_per_split` tiles).
+TUNING = {
+    "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),
+    "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4")),
+    "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "2")),
+    "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "4")),
+    "min_tiles_per_split": 2,
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,7 +137,7 @@ def decode_attention(
     stop = held - n_new
     dummy = k_new
 
-    block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else _BLOCK_N
+    block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else TUNING["block_n"]
     rows = tq * g
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_tiles = triton_cdiv(rows, block_m)
@@ -141,8 +145,8 @@ def decode_attention(
     n_body_tiles = body // block_n
     per_split = b * hkv * m_tiles
     if query.is_cuda and n_body_tiles:
-        target = _PROGRAMS_PER_SM * _multiprocessors(query.device.index or 0)
-        n_splits = max(1, min(math.ceil(target / per_split), n_body_tiles // _MIN_TILES_PER_SPLIT))
+        target = TUNING["programs_per_sm"] * _multiprocessors(query.device.index or 0)
+        n_splits = max(1, min(math.ceil(target / per_split), n_body_tiles // TUNING["min_tiles_per_split"]))
     else:
         n_splits = 1 if n_body_tiles else 0
     tiles_per_split = math.ceil(n_body_tiles / n_splits) if n_splits else 0
@@ -200,7 +204,7 @@ def decode_attention(
         HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )
     saux = s_aux if s_aux is not None else dummy
     decode._combine[(b * hkv * rows,)](
