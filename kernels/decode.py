@@ -4,11 +4,10 @@ kernel combines the split-K partial results (flash-decoding).
 
 Work split, per (batch row, kv-head, tile of query rows):
 - body programs (`n_splits` of them) each take a contiguous range of the *body*: whole tiles of `BLOCK_N` tokens
-  where both keys and values are packed. There the scales are applied in the score domain, so the inner loop
-  only unpacks codes and feeds tensor cores:
-  per-token groups  q.k = sum_g s_g (q_g . c_g) + z_g sum(q_g)   (a batched dot over the groups),
-  per-channel keys  q.k = (q * s) . c + q . z                     (KIVI: one block of tokens = one tile),
-  values            p.v = sum_g (p * s_g) . c_g + (p . z_g)       (per-token groups), fp8: s (p . fp8(c)).
+  where both keys and values are packed. Codes are read as contiguous bytes and split into codes in registers,
+  dequantized in fp32 (`code * scale + zero` per group; per-channel keys fold the scale into q:
+  q.k = (q * s) . c + q . z, one block of tokens per tile; fp8 keys and values take their per-head scale
+  after the products) and fed to tensor cores in the model dtype.
 - one tail program reads everything else token by token: the sink, the packed tokens outside whole body tiles
   (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
   the reference codecs do (to the model dtype) before the dot.
@@ -39,18 +38,50 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _unpack(ptr, row_off, d, mask, BITS: tl.constexpr, MASKED: tl.constexpr = True):
-    """Unsigned codes at `ptr + row_off` for channels `d` (broadcastable offsets), as int32."""
+def _unpack(ptr, row_off, d, mask, BITS: tl.constexpr):
+    """Unsigned codes at `ptr + row_off` for channels `d` (broadcastable offsets, any tokens), as int32."""
     PER: tl.constexpr = 8 // BITS
-    if MASKED:
-        byte = tl.load(ptr + row_off + d // PER, mask=mask, other=0).to(tl.int32)
-    else:
-        byte = tl.load(ptr + row_off + d // PER).to(tl.int32)
+    byte = tl.load(ptr + row_off + d // PER, mask=mask, other=0).to(tl.int32)
     if BITS == 8:
         c = byte
     else:
         c = (byte >> ((d % PER) * BITS)) & ((1 << BITS) - 1)
     return c
+
+
+@triton.jit
+def _unpack_rows(ptr, row_off, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Codes of BLOCK_N whole rows (`row_off (BLOCK_N,)` byte offsets) -> int32 (BLOCK_N, D). The packed bytes are
+    read contiguously (vector loads) and split in registers: byte i holds elements PER*i .. PER*i + PER-1."""
+    PER: tl.constexpr = 8 // BITS
+    j = tl.arange(0, D // PER)
+    byte = tl.load(ptr + row_off[:, None] + j[None, :]).to(tl.int32)  # (BLOCK_N, D / PER)
+    if BITS == 8:
+        c = byte
+    elif BITS == 4:
+        c = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, D))
+    else:
+        # join(join(c0, c2), join(c1, c3)) flattens to c0, c1, c2, c3 (c_k = bits 2k..2k+1)
+        c = tl.reshape(tl.join(tl.join(byte & 3, (byte >> 4) & 3), tl.join((byte >> 2) & 3, byte >> 6)),
+                       (BLOCK_N, D))
+    return c
+
+
+@triton.jit
+def _group_dequant(C, SC, Z, tok, sc_t, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                   CHG: tl.constexpr, SYM: tl.constexpr):
+    """Per-token groups of CHG channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero."""
+    NG: tl.constexpr = D // CHG
+    code = _unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32)
+    j = tl.arange(0, NG)
+    soff = tok[:, None] * ss_t + j[None, :] * ss_c  # (BLOCK_N, NG)
+    scale = tl.load(SC + soff).to(tl.float32)
+    code3 = tl.reshape(code, (BLOCK_N, NG, CHG))
+    if SYM:
+        x = (code3 - (1 << (BITS - 1))) * scale[:, :, None]
+    else:
+        x = code3 * scale[:, :, None] + tl.load(Z + soff).to(tl.float32)[:, :, None]
+    return tl.reshape(x, (BLOCK_N, D))
 
 
 @triton.jit
@@ -140,8 +171,8 @@ def _attn_fwd(
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
+    b = (pid_bh // Hkv).to(tl.int64)  # offsets of large caches pass 2^31
+    h = (pid_bh % Hkv).to(tl.int64)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows (position t, head g of the group)
     row_ok = rows < Tq * G
@@ -162,7 +193,7 @@ def _attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    part = (pid_bh * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + pid_s  # (BLOCK_M,)
+    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + pid_s  # (BLOCK_M,)
 
     if pid_s < n_splits:
         # ------------------------------------------------------------------ body: whole packed tiles
@@ -172,76 +203,41 @@ def _attn_fwd(
         vc = VC + b * svc_b + h * svc_h
         vsc = VSC + b * svsc_b + h * svsc_h
         vz = VZ + b * svsc_b + h * svsc_h
-        NGK: tl.constexpr = D // K_CHG
-        NGV: tl.constexpr = D // V_CHG
-        jk = tl.arange(0, NGK)
-        jv = tl.arange(0, NGV)
-        ek = tl.arange(0, K_CHG)
-        ev = tl.arange(0, V_CHG)
-        if K_FMT == 3 and K_TOKG == 1:
-            # q split into its channel groups: (NGK, BLOCK_M, K_CHG), and each group's sum
-            q3 = tl.load(Q + qoff[None, :, None] + jk[:, None, None] * K_CHG + ek[None, None, :],
-                         mask=row_ok[None, :, None], other=0.0)
-            qsum3 = tl.sum(q3.to(tl.float32), 2)[:, :, None]  # (NGK, BLOCK_M, 1)
-            q3 = q3.to(DT)
-        if V_FMT == 3:
-            acc3 = tl.zeros((NGV, BLOCK_M, V_CHG), tl.float32)
-        else:
-            acc3 = tl.zeros((BLOCK_M, D), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
         for tile in range(lo, hi):
-            p0 = tile * BLOCK_N
+            tok = tile * BLOCK_N + n  # packed token indices (BLOCK_N,)
             # ---- scores (BLOCK_M, BLOCK_N)
             if K_FMT != 3:
-                c = tl.load(kc + (p0 + n)[:, None] * skc_t + d[None, :])
+                c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
                 s = _dot(qd, tl.trans(_fp8_to_float(c, K_FMT).to(DT)), PREC) * k_scale
             elif K_TOKG == 1:
-                tk = (p0 + n)[None, None, :]
-                c3 = _unpack(kc, tk * skc_t, jk[:, None, None] * K_CHG + ek[None, :, None], None, K_BITS, False)
-                s3 = _dot(q3, c3.to(DT), PREC)  # (NGK, BLOCK_M, BLOCK_N)
-                soff = tk * sksc_t + jk[:, None, None] * sksc_c  # (NGK, 1, BLOCK_N)
-                sc3 = tl.load(ksc + soff).to(tl.float32)
-                if K_SYM:
-                    z3 = sc3 * (-(1 << (K_BITS - 1)))
-                else:
-                    z3 = tl.load(kz + soff).to(tl.float32)
-                s = tl.sum(s3 * sc3 + qsum3 * z3, 0)
+                kt = _group_dequant(kc, ksc, kz, tok, skc_t, sksc_t, sksc_c, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
+                s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             else:
-                # one tile = one block of K_TOKG tokens sharing per-channel scales
-                c = _unpack(kc, (p0 + n)[None, :] * skc_t, d[:, None], None, K_BITS, False)  # (D, BLOCK_N)
+                # one tile = one block of K_TOKG tokens sharing per-channel scales: q.k = (q * s) . c + q . z
+                c = _unpack_rows(kc, tok * skc_t, BLOCK_N, D, K_BITS)  # (BLOCK_N, D)
                 soff = tile * sksc_t + d * sksc_c
                 sc = tl.load(ksc + soff).to(tl.float32)
                 zr = tl.load(kz + soff).to(tl.float32)
                 qs = (qf * sc[None, :]).to(DT)
-                s = _dot(qs, c.to(DT), PREC) + tl.sum(qf * zr[None, :], 1)[:, None]
+                s = _dot(qs, tl.trans(c.to(DT)), PREC) + tl.sum(qf * zr[None, :], 1)[:, None]
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK:
-                kpos = n_sink + p0 + n
+                kpos = n_sink + tok
                 allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
                                   mask=row_ok[:, None], other=0)
                 s = tl.where(allowed != 0, s, float("-inf"))
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values
             if V_FMT != 3:
-                c = tl.load(vc + (p0 + n)[:, None] * svc_t + d[None, :])
-                acc3 = acc3 * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
+                c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
+                vt = _fp8_to_float(c, V_FMT).to(DT)
             else:
-                tv = (p0 + n)[None, :, None]
-                c3 = _unpack(vc, tv * svc_t, jv[:, None, None] * V_CHG + ev[None, None, :], None, V_BITS, False)
-                soff = (p0 + n)[None, None, :] * svsc_t + jv[:, None, None] * svsc_c  # (NGV, 1, BLOCK_N)
-                sc3 = tl.load(vsc + soff).to(tl.float32)
-                if V_SYM:
-                    z3 = sc3 * (-(1 << (V_BITS - 1)))
-                else:
-                    z3 = tl.load(vz + soff).to(tl.float32)
-                pw = p[None, :, :] * sc3  # (NGV, BLOCK_M, BLOCK_N)
-                acc3 = acc3 * alpha[None, :, None] + _dot(pw.to(DT), c3.to(DT), PREC)
-                acc3 += tl.sum(p[None, :, :] * z3, 2)[:, :, None]
-        if V_FMT == 3:
-            out = tl.reshape(tl.permute(acc3, (1, 0, 2)), (BLOCK_M, D))
-        else:
-            out = acc3 * v_scale
+                vt = _group_dequant(vc, vsc, vz, tok, svc_t, svsc_t, svsc_c, BLOCK_N, D, V_BITS, V_CHG, V_SYM).to(DT)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+        out = acc * v_scale
     else:
         # ------------------------------------------------------------------ tail: every other token
         body_end = n_sink + n_body_tiles * BLOCK_N
@@ -263,7 +259,7 @@ def _attn_fwd(
         vc = VC + b * svc_b + h * svc_h
         vsc = VSC + b * svsc_b + h * svsc_h
         vz = VZ + b * svsc_b + h * svsc_h
-        acc_t = tl.zeros((BLOCK_M, D), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
         n_first = tl.cdiv(n_sink, BLOCK_N)
         n_rest = tl.cdiv(tl.maximum(end - body_end, 0), BLOCK_N)
         for i in range(0, n_first + n_rest):
@@ -285,8 +281,8 @@ def _attn_fwd(
             vt = _place_tile(vs, vr, vn, vc, vsc, vz, svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale,
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, stop, n_new, DT,
                              V_FMT, V_BITS, 1, V_CHG, V_SYM)
-            acc_t = acc_t * alpha[:, None] + _dot(p.to(DT), vt, PREC)
-        out = acc_t
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+        out = acc
     tl.store(ACC + part[:, None] * D + d[None, :], out)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
@@ -301,7 +297,7 @@ def _combine(
     """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials."""
     pid = tl.program_id(0)
     rows = Tq * G
-    bh = pid // rows
+    bh = (pid // rows).to(tl.int64)
     r = pid % rows
     b = bh // Hkv
     h = bh % Hkv

@@ -55,8 +55,8 @@ def _pack_per_token(
 ):
     """Uniform codes in per-token groups of CHG channels (`quant.quantize_uniform(axis=-1, group_size=CHG)`)."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)  # offsets of large caches pass 2^31
+    h = (pid_bh % H).to(tl.int64)
     tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = tok < T
     NG: tl.constexpr = D // CHG
@@ -96,8 +96,8 @@ def _pack_per_channel(
     optionally with the least-squares range search over the grid (r0..r4, each < 0.5) of
     `quantize_uniform(range_search=)`."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)  # offsets of large caches pass 2^31
+    h = (pid_bh % H).to(tl.int64)
     blk = tl.program_id(1)
     tok = tl.arange(0, G)
     d = tl.arange(0, D)
@@ -164,8 +164,8 @@ def _pack_fp8(
 ):
     """FP8 bytes of `clamp(x / scale)` (`quant.quantize_fp8`), one scale per (batch row, kv-head)."""
     pid_bh = tl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)  # offsets of large caches pass 2^31
+    h = (pid_bh % H).to(tl.int64)
     tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = tok[:, None] < T
     d = tl.arange(0, D)
