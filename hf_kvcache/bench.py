@@ -192,18 +192,18 @@ def sweep_part(cfg: BenchConfig, log=print) -> list[dict]:
         cache, (kh, vh) = _filled_layer(spec, k, v, config)
         per_channel_keys = cache.layers[0].key_stream.codec.packed_format().token_group > 1
         for block_n in (64,) if per_channel_keys else (32, 64):  # per-channel keys: a tile is a block
-            for warps in (4, 8):
+            for warps, gather in ((4, False), (8, False), (4, True)):
                 for stages in (2,):
-                    ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages)
+                    ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, gather=gather)
                     try:
                         ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, d**-0.5), rep_ms=50)
                     except Exception as error:  # a configuration that does not compile (shared memory, ...)
                         log(f"{spec} block_n {block_n} warps {warps} stages {stages}: {type(error).__name__}")
                         continue
-                    rows.append(dict(method=spec, block_n=block_n, num_warps=warps, num_stages=stages, ms=ms,
-                                     speedup=base_ms / ms))
-                    log(f"{spec:>10} block_n {block_n:>3} warps {warps} stages {stages}: {ms * 1e3:8.1f} us "
-                        f"x{base_ms / ms:.2f}")
+                    rows.append(dict(method=spec, block_n=block_n, num_warps=warps, num_stages=stages,
+                                     gather=gather, ms=ms, speedup=base_ms / ms))
+                    log(f"{spec:>10} block_n {block_n:>3} warps {warps} stages {stages} gather {gather:d}: "
+                        f"{ms * 1e3:8.1f} us x{base_ms / ms:.2f}")
         ops.TUNING.update(saved)
         del cache, kh, vh
     cfg.results["sweep"] = dict(batch=b, context=s, base_ms=base_ms, rows=rows)
@@ -265,25 +265,27 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
     b, s, n = cfg.e2e_batch, cfg.e2e_context, cfg.e2e_new_tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (b, s), device="cuda", generator=gen)
-    names = ["dynamic"] + (["hf-quanto-int4", "hf-quanto-int2"] if quanto_available() else []) + list(cfg.methods)
+    # transformers' QuantizedCache last: it dequantizes its whole history every step and is by far the slowest.
+    names = ["dynamic"] + list(cfg.methods) + (["hf-quanto-int4"] if quanto_available() else [])
     if not quanto_available():
         log("transformers' QuantizedCache: optimum-quanto is not importable here, baseline skipped")
     rows = []
     for name in names:
         try:
-            rows.append(_e2e_one(model, name, ids, n, log))
+            r = _e2e_one(model, name, ids, n, log)
         except torch.cuda.OutOfMemoryError as error:
             log(f"{name}: out of memory ({str(error).splitlines()[0]})")
             rows.append(dict(method=name, oom=True))
-        gc.collect()
-        torch.cuda.empty_cache()
-    base = rows[0].get("decode_tok_s")
-    for r in rows:
-        if base and "decode_tok_s" in r:
-            r["vs_dynamic"] = r["decode_tok_s"] / base
-            log(f"{r['method']:>16}: decode {r['decode_tok_s']:8.1f} tok/s (x{r['vs_dynamic']:.2f} DynamicCache)  "
-                f"step {r['step_ms']:7.2f} ms  prefill {r['prefill_s']:6.2f} s  peak {r['peak_gb']:6.2f} GB  "
-                f"cache {r['cache_gb']:6.2f} GB")
+            continue
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(r)
+        base = rows[0].get("decode_tok_s")
+        r["vs_dynamic"] = r["decode_tok_s"] / base
+        log(f"{r['method']:>16}: decode {r['decode_tok_s']:8.1f} tok/s (x{r['vs_dynamic']:.2f} DynamicCache)  "
+            f"step {r['step_ms']:7.2f} ms  prefill {r['prefill_s']:6.2f} s  peak {r['peak_gb']:6.2f} GB  "
+            f"cache {r['cache_gb']:6.2f} GB")
     cfg.results["e2e"] = dict(batch=b, context=s, layers=cfg.e2e_layers, new_tokens=n, rows=rows)
     del model
     return rows
@@ -308,6 +310,7 @@ def _e2e_one(model, name: str, ids: torch.Tensor, n: int, log) -> dict:
         model(ids[:, :-1], use_cache=True, logits_to_keep=1, **_compat.cache_kwargs(cache))
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
+    log(f"{name}: prefill {prefill_s:.2f} s, {(torch.cuda.max_memory_allocated() - base_mem) / 1e9:.1f} GB peak so far")
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, **_compat.cache_kwargs(cache))

@@ -69,8 +69,15 @@ def _unpack_rows(ptr, row_off, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _group_dequant(C, SC, Z, tok, sc_t, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                   CHG: tl.constexpr, SYM: tl.constexpr):
-    """Per-token groups of CHG channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero."""
+                   CHG: tl.constexpr, SYM: tl.constexpr, GATHER: tl.constexpr):
+    """Per-token groups of CHG channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero.
+    GATHER: every element loads its own byte and scale (cached repeats) instead of splitting bytes and
+    broadcasting scales by reshapes (which variant is faster is the benchmark sweep's question)."""
+    if GATHER:
+        d = tl.arange(0, D)[None, :]
+        everywhere = (tok >= 0)[:, None]
+        x = _dequant(C, SC, Z, tok[:, None], d, everywhere, sc_t, ss_t, ss_c, 1.0, 3, BITS, 1, CHG, SYM)
+        return x
     NG: tl.constexpr = D // CHG
     code = _unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32)
     j = tl.arange(0, NG)
@@ -164,7 +171,7 @@ def _attn_fwd(
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, GATHER: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
 ):
@@ -213,7 +220,8 @@ def _attn_fwd(
                 c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
                 s = _dot(qd, tl.trans(_fp8_to_float(c, K_FMT).to(DT)), PREC) * k_scale
             elif K_TOKG == 1:
-                kt = _group_dequant(kc, ksc, kz, tok, skc_t, sksc_t, sksc_c, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
+                kt = _group_dequant(kc, ksc, kz, tok, skc_t, sksc_t, sksc_c, BLOCK_N, D, K_BITS, K_CHG, K_SYM,
+                                    GATHER)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             else:
                 # one tile = one block of K_TOKG tokens sharing per-channel scales: q.k = (q * s) . c + q . z
@@ -235,7 +243,8 @@ def _attn_fwd(
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
                 vt = _fp8_to_float(c, V_FMT).to(DT)
             else:
-                vt = _group_dequant(vc, vsc, vz, tok, svc_t, svsc_t, svsc_c, BLOCK_N, D, V_BITS, V_CHG, V_SYM).to(DT)
+                vt = _group_dequant(vc, vsc, vz, tok, svc_t, svsc_t, svsc_c, BLOCK_N, D, V_BITS, V_CHG, V_SYM,
+                                    GATHER).to(DT)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
         out = acc * v_scale
     else:

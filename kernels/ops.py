@@ -21,6 +21,7 @@ TUNING = {
     "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "2")),
     "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "4")),
     "min_tiles_per_split": 2,
+    "gather": os.environ.get("HF_KVCACHE_GATHER", "0") == "1",  # per-element code/scale loads (see decode.py)
 }
 
 
@@ -201,7 +202,7 @@ def decode_attention(
         stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
         float(scaling), float(softcap or 0.0),
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
-        HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
+        HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None, GATHER=TUNING["gather"],
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
         num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],

@@ -93,3 +93,16 @@ def test_bfloat16_mqa_and_softcap(spec):
 def test_paper_protocol_reads_the_stored_new_tokens(spec):
     kwargs = {"residual_length": 32} if spec.startswith("kivi") else {}
     _compare(spec, kwargs, steps=(90, 1), quantize_before=True)
+
+
+@pytest.mark.parametrize("spec", ["int4-g32", "int2-g32", "int8"])
+def test_gather_variant_matches_reference(spec):
+    """The per-element-load variant of the body (a launch parameter the benchmark sweeps)."""
+    from hf_kvcache.kernels import ops
+
+    saved = dict(ops.TUNING)
+    ops.TUNING["gather"] = True
+    try:
+        _compare(spec, {}, steps=(150, 1))
+    finally:
+        ops.TUNING.update(saved)
