@@ -159,7 +159,18 @@ def _finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     return s * 1.4426950408889634
 
 
-@triton.jit
+# Integers that change from step to step (lengths, split counts) or when storage grows (batch and head strides)
+# are not specialized: Triton would otherwise compile a new variant whenever one of them turns 1 or a multiple of
+# 16, which during generation means seconds of compiling between tokens.
+_VARYING = (
+    "sq_b", "sq_h", "sq_t", "sks_b", "sks_h", "skc_b", "skc_h", "sksc_b", "sksc_h", "skr_b", "skr_h",
+    "skn_b", "skn_h", "skf_b", "skf_h", "svs_b", "svs_h", "svc_b", "svc_h", "svsc_b", "svsc_h", "svr_b", "svr_h",
+    "svn_b", "svn_h", "svf_b", "svf_h", "sm_b", "sm_t", "sm_s", "Tq", "n_sink", "npk", "nrk", "npv", "nrv",
+    "stop", "n_new", "n_body_tiles", "tiles_per_split", "n_splits", "m_tiles",
+)
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _attn_fwd(
     Q, sq_b, sq_h, sq_t,
     KS, sks_b, sks_h, sks_t, KC, skc_b, skc_h, skc_t, KSC, sksc_b, sksc_h, sksc_t, sksc_c, KZ,
@@ -297,7 +308,7 @@ def _attn_fwd(
     tl.store(L_OUT + part, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "rows_pad"))
 def _combine(
     ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX,
     Hkv, Tq, n_parts, rows_pad,

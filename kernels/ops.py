@@ -61,9 +61,10 @@ def _len(t: torch.Tensor | None) -> int:
 
 
 def _place(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """A (B, H, T, D) place and its batch, head and token strides (a dummy pointer when the place is empty)."""
+    """A (B, H, T, D) place and its batch, head and token strides (a dummy pointer when the place is empty, with
+    the token stride of a place's own storage, D, so that the kernel's specialization does not change)."""
     if t is None or t.shape[2] == 0:
-        return dummy, 0, 0, 0
+        return dummy, 0, 0, dummy.shape[-1]
     if t.stride(3) != 1:
         raise ValueError("the innermost axis of a cache place must be contiguous")
     return t, t.stride(0), t.stride(1), t.stride(2)
@@ -75,8 +76,11 @@ def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
     f, fmt = st.fields, st.fmt
     fp8 = fmt.kind in FP8_KINDS
     if st.n_packed == 0 or not f:
+        # Nothing packed yet: a dummy pointer with the token strides the storage will have (same specialization).
         codes = scale = zero = dummy
-        c_strides, s_strides = (0, 0, 0), (0, 0, 0, 0)
+        row = head_dim if fp8 else head_dim * fmt.bits // 8
+        groups = head_dim if fmt.token_group > 1 else head_dim // (fmt.channel_group or head_dim)
+        c_strides, s_strides = (0, 0, row), (0, 0, 0 if fp8 else groups, 0 if fp8 else 1)
     else:
         codes = f["codes"]
         if fmt.token_group > 1:  # (B, H, n, G, D*b/8): tokens of consecutive blocks are consecutive rows

@@ -106,3 +106,45 @@ def test_gather_variant_matches_reference(spec):
         _compare(spec, {}, steps=(150, 1))
     finally:
         ops.TUNING.update(saved)
+
+
+@pytest.mark.parametrize("spec,kwargs,prefill", [("kivi-2", {"residual_length": 32}, 100),
+                                                 ("int4-g32", {"sink_tokens": 1, "residual_length": 16}, 3)])
+def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec, kwargs, prefill):
+    """Triton compiles a new variant whenever a specialized integer turns 1 or a multiple of 16. Every integer the
+    launcher passes with different values across decode steps (lengths, splits, strides of growing storage) must be
+    in the kernel's do_not_specialize list, or generation stalls on compiles (measured: 5-6 compiles in 70 steps,
+    hundreds of ms a token on the GPU host)."""
+    from hf_kvcache.kernels import decode, ops
+
+    import inspect
+
+    names = list(inspect.signature(decode._attn_fwd.fn).parameters)
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(args)
+                return self.fn[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(decode, "_attn_fwd", Recorder(decode._attn_fwd))
+    cache, _ = _filled_layer(spec, kwargs, batch=2, heads=4, kv_heads=2, head_dim=64, steps=(prefill,),
+                             dtype=torch.float32)
+    layer = cache.layers[0]
+    for _ in range(40):
+        kh, vh = layer.update(*(torch.randn(2, 2, 1, 64).to(DEVICE) for _ in range(2)))
+        mask = torch.ones(2, 1, 1, layer.held_tokens, dtype=torch.bool, device=DEVICE)
+        with kernels.use_backend("triton"):
+            ops.decode_attention(torch.randn(2, 4, 1, 64).to(DEVICE), layer.key_stream.kernel_view(),
+                                 layer.value_stream.kernel_view(), kh.new, vh.new, exact_new=True,
+                                 attention_mask=mask, scaling=0.125)
+    varying = {names[i] for i in range(len(calls[0]))
+               if isinstance(calls[0][i], int) and len({c[i] for c in calls}) > 1}
+    assert varying, "the test should see lengths change"
+    assert varying <= set(decode._VARYING), f"specialized but varying: {sorted(varying - set(decode._VARYING))}"
