@@ -16,7 +16,7 @@ from .layout import FP8_KINDS, StreamTensors
 # tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
 # split-K's target of programs per multiprocessor (each split keeps at least `min_tiles_per_split` tiles).
 TUNING = {
-    "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),
+    "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "32")),
     "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4")),
     "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "2")),
     "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "4")),
