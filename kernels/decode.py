@@ -212,15 +212,22 @@ def _attn_fwd(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + pid_s  # (BLOCK_M,)
+    # this (batch row, kv-head)'s places: sink, packed codes / scales / zeros, residual, new tokens
+    ks = KS + b * sks_b + h * sks_h
+    kc = KC + b * skc_b + h * skc_h
+    ksc = KSC + b * sksc_b + h * sksc_h
+    kz = KZ + b * sksc_b + h * sksc_h
+    kr = KR + b * skr_b + h * skr_h
+    kn = KN + b * skn_b + h * skn_h
+    vs = VS + b * svs_b + h * svs_h
+    vc = VC + b * svc_b + h * svc_h
+    vsc = VSC + b * svsc_b + h * svsc_h
+    vz = VZ + b * svsc_b + h * svsc_h
+    vr = VR + b * svr_b + h * svr_h
+    vn = VN + b * svn_b + h * svn_h
 
     if pid_s < n_splits:
         # ------------------------------------------------------------------ body: whole packed tiles
-        kc = KC + b * skc_b + h * skc_h
-        ksc = KSC + b * sksc_b + h * sksc_h
-        kz = KZ + b * sksc_b + h * sksc_h
-        vc = VC + b * svc_b + h * svc_h
-        vsc = VSC + b * svsc_b + h * svsc_h
-        vz = VZ + b * svsc_b + h * svsc_h
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
@@ -267,18 +274,6 @@ def _attn_fwd(
             # causal: no row of this tile attends past its last query position
             t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
             end = tl.minimum(s_total, s_total - Tq + t_last + 1)
-        ks = KS + b * sks_b + h * sks_h
-        kr = KR + b * skr_b + h * skr_h
-        kn = KN + b * skn_b + h * skn_h
-        kc = KC + b * skc_b + h * skc_h
-        ksc = KSC + b * sksc_b + h * sksc_h
-        kz = KZ + b * sksc_b + h * sksc_h
-        vs = VS + b * svs_b + h * svs_h
-        vr = VR + b * svr_b + h * svr_h
-        vn = VN + b * svn_b + h * svn_h
-        vc = VC + b * svc_b + h * svc_h
-        vsc = VSC + b * svsc_b + h * svsc_h
-        vz = VZ + b * svsc_b + h * svsc_h
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         n_first = tl.cdiv(n_sink, BLOCK_N)
         n_rest = tl.cdiv(tl.maximum(end - body_end, 0), BLOCK_N)
