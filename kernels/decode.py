@@ -8,7 +8,8 @@ Work split, per (batch row, kv-head, tile of query rows):
   dequantized in fp32 (`code * scale + zero` per group; per-channel keys fold the scale into q:
   q.k = (q * s) . c + q . z, one block of tokens per tile; fp8 keys and values take their per-head scale
   after the products) and fed to tensor cores in the model dtype.
-- one tail program reads everything else token by token: the sink, the packed tokens outside whole body tiles
+- one tail program (a separate launch of the same kernel, BODY=False, so that its many live tiles do not
+  raise the body's register count) reads everything else token by token: the sink, the packed tokens outside whole body tiles
   (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
   the reference codecs do (to the model dtype) before the dot.
 
@@ -182,7 +183,7 @@ def _attn_fwd(
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, GATHER: tl.constexpr,
+    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, GATHER: tl.constexpr, BODY: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
 ):
@@ -211,7 +212,8 @@ def _attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + pid_s  # (BLOCK_M,)
+    split = pid_s if BODY else n_splits  # the tail's partial result goes last
+    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + split  # (BLOCK_M,)
     # this (batch row, kv-head)'s places: sink, packed codes / scales / zeros, residual, new tokens
     ks = KS + b * sks_b + h * sks_h
     kc = KC + b * skc_b + h * skc_h
@@ -226,7 +228,7 @@ def _attn_fwd(
     vr = VR + b * svr_b + h * svr_h
     vn = VN + b * svn_b + h * svn_h
 
-    if pid_s < n_splits:
+    if BODY:
         # ------------------------------------------------------------------ body: whole packed tiles
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         lo = pid_s * tiles_per_split

@@ -195,8 +195,7 @@ def decode_attention(
     out = torch.empty((b, tq, hq, d), device=dev, dtype=query.dtype)
     if query.stride(3) != 1:
         query = query.contiguous()
-    grid = (b * hkv, n_parts, m_tiles)
-    decode._attn_fwd[grid](
+    args = [
         query, query.stride(0), query.stride(1), query.stride(2),
         *stream_args(keys, k_new),
         *stream_args(values, v_new),
@@ -205,12 +204,18 @@ def decode_attention(
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
         stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
         float(scaling), float(softcap or 0.0),
+    ]
+    meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
         HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None, GATHER=TUNING["gather"],
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
-        num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"],
     )
+    if n_splits:
+        decode._attn_fwd[(b * hkv, n_splits, m_tiles)](
+            *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"]
+        )
+    decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     saux = s_aux if s_aux is not None else dummy
     decode._combine[(b * hkv * rows,)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), saux,
