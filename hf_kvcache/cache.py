@@ -230,13 +230,19 @@ class _Stream:
     def append(self, x: torch.Tensor, total_before: int, pad_lengths: torch.Tensor | None = None) -> None:
         """Store `x (B, H, T, D)`; `total_before` counts the tokens this stream saw before (sinks are absolute).
         `pad_lengths (B,)`: how many of each row's first tokens are left padding (None: no padding)."""
-        free_sink = max(self.sink_tokens - total_before, 0)
+        free_sink = min(max(self.sink_tokens - total_before, 0), x.shape[2])
         if free_sink:
             self.sink.append({"x": x[:, :, :free_sink]})
             x = x[:, :, free_sink:]
         if x.shape[2]:
             self.residual.append({"x": x})
-        self._flush(pad_lengths)
+        try:
+            self._flush(pad_lengths)
+        except BaseException:
+            # The packed place gave its reserved rows back; take this call's tokens out of the others too.
+            self.residual.drop_back(x.shape[2])
+            self.sink.drop_back(free_sink)
+            raise
 
     def _n_to_flush(self) -> int:
         n, b, r = self.n_residual, self.codec.block_size, self.residual_length
@@ -254,11 +260,16 @@ class _Stream:
             start = self.first_position + self.n_sink + self.n_packed
             positions = torch.arange(start, start + n, device=x.device)
             valid = positions.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
-        out = self.packed.reserve(n // self.codec.block_size)
+        rows = n // self.codec.block_size
+        out = self.packed.reserve(rows)
         if out is None:
             self.packed.append(self.codec.encode(x, valid))
         else:
-            self.codec.encode_into(x, valid, out)
+            try:
+                self.codec.encode_into(x, valid, out)
+            except BaseException:
+                self.packed.drop_back(rows)  # a failed encode leaves the stored tokens as they were
+                raise
         self.residual.drop_front(n)
         # A prefill passes through the residual once: give its storage back rather than hold a dense copy.
         self.residual.shrink(self.residual_length + self.codec.block_size)
@@ -458,8 +469,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         pads = _compat.left_padding(kwargs, self.cumulative_length, key_states.shape[2], key_states.shape[0])
         if pads is not None:
             self.pad_lengths = pads
-        for name, x in (("keys", key_states), ("values", value_states)):
-            self._streams[name].append(x, self.cumulative_length, self.pad_lengths)
+        self._streams["keys"].append(key_states, self.cumulative_length, self.pad_lengths)
+        try:
+            self._streams["values"].append(value_states, self.cumulative_length, self.pad_lengths)
+        except BaseException:
+            self._streams["keys"].crop(key_states.shape[2], self.dtype)  # a failed update stores nothing
+            raise
         self.cumulative_length += key_states.shape[2]
         if self.fused:
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)

@@ -195,3 +195,29 @@ def test_unsupported_layer_types_are_refused():
     config.layer_types = ["full_attention", "linear_attention", "full_attention"]
     with pytest.raises(ValueError, match="linear_attention"):
         QuantizedIntCache(config, bits=8)
+
+
+@pytest.mark.parametrize("stream", ["key_stream", "value_stream"])
+def test_a_failed_encode_loses_nothing(stream):
+    """An update whose encode raises stores nothing: rows reserved in place are given back, the new tokens leave
+    the residual again, and keys already stored for the step are cropped when the values fail."""
+    config = TINY_CONFIGS["llama"]()
+    cache = QuantizedIntCache(config, bits=4)
+    layer = cache.layers[0]
+    k = torch.randn(1, config.num_key_value_heads, 40, config.head_dim)
+    layer.update(k, k.clone())
+    before = {s: getattr(layer, s).dense(torch.float32).clone() for s in ("key_stream", "value_stream")}
+    codec = getattr(layer, stream).codec
+
+    def broken(x, valid, out):
+        raise RuntimeError("encode failed")
+
+    codec.encode_into = broken
+    with pytest.raises(RuntimeError, match="encode failed"):
+        layer.update(k[:, :, :1], k[:, :, :1].clone())
+    del codec.encode_into
+    assert layer.get_seq_length() == layer.held_tokens == 40
+    for s, dense in before.items():
+        assert torch.equal(getattr(layer, s).dense(torch.float32), dense), s
+    layer.update(k[:, :, :1], k[:, :, :1].clone())  # and the layer still works
+    assert layer.held_tokens == 41
