@@ -156,3 +156,14 @@ def test_eval_quick_on_the_default_model(tmp_path, capsys):
     assert baseline["passkey"]["accuracy"] == 1.0  # the default model finds the key at 256 tokens
     assert 0 < int4["memory"]["ratio"] < 0.5
     assert abs(int4["stream"]["ppl"] / baseline["stream"]["ppl"] - 1) < 0.2
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["bench", "--parts", "kernel,speed"], "unknown part"), (["bench", "--batches", "1,x"], "--batches")]
+    + ([] if __import__("torch").cuda.is_available() else [(["bench"], "needs a CUDA device")]),
+)
+def test_bench_usage_errors_exit_2(capsys, argv, message):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
