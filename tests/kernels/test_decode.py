@@ -10,7 +10,6 @@ from transformers import LlamaConfig
 
 from hf_kvcache import kernels, make_cache
 from hf_kvcache.attention import fused_attention, reference_attention
-from hf_kvcache.cache import KVHandle
 from tests.helpers.methods import METHODS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvcache import kernels, make_cache
+from hf_kvcache import kernels
 from hf_kvcache.methods.fp8 import FP8Codec
 from hf_kvcache.methods.int import IntCodec
 from hf_kvcache.methods.kivi import KEY_RANGE_GRID, PerChannelKeyCodec
