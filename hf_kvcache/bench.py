@@ -324,13 +324,23 @@ def _e2e_one(model, name: str, ids: torch.Tensor, n: int, log) -> dict:
                 step_ms=decode_s / n * 1e3, peak_gb=peak / 1e9, cache_gb=cache_bytes / 1e9)
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a tensor subclass (quanto's packed tensors) is counted through its inner tensors
+    (PyTorch's `__tensor_flatten__` protocol), not by its logical dense size."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
 def _dense_cache_bytes(cache) -> int:
+    """Bytes held by a transformers cache (DynamicCache, QuantizedCache: residual and quantized tensors)."""
     total = 0
     for layer in cache.layers:
         for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+                total += _tensor_bytes(t)
     return total
 
 

@@ -167,3 +167,27 @@ def test_bench_usage_errors_exit_2(capsys, argv, message):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_bench_counts_a_transformers_cache_by_the_bytes_it_holds():
+    """DynamicCache: K and V in the model dtype; a tensor subclass is counted through its inner tensors."""
+    import torch
+    from transformers import DynamicCache
+
+    from hf_kvcache.bench import _dense_cache_bytes, _tensor_bytes
+
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    from hf_kvcache import _compat
+
+    model(torch.randint(5, 100, (1, 10)), use_cache=True, **_compat.cache_kwargs(cache, model))
+    cfg = model.config
+    assert _dense_cache_bytes(cache) == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 10 * cfg.head_dim * 4
+
+    class Packed(torch.Tensor):  # a stand-in for a packed subclass: logical shape (8, 8), 8 bytes inside
+        def __tensor_flatten__(self):
+            return ["_data"], None
+
+    p = torch.Tensor._make_subclass(Packed, torch.zeros(8, 8))
+    p._data = torch.zeros(8, dtype=torch.uint8)
+    assert _tensor_bytes(p) == 8
