@@ -50,13 +50,6 @@ class BenchConfig:
     results: dict = field(default_factory=dict)
 
 
-class _ConfigOnly:
-    """What `make_cache` needs of a model: its config."""
-
-    def __init__(self, config):
-        self.config = config
-
-
 def _llama_config(layers: int, attn: str = "hf_kvcache") -> LlamaConfig:
     config = LlamaConfig(**LLAMA3_8B, num_hidden_layers=layers)
     config._attn_implementation = attn
@@ -104,7 +97,7 @@ def _sdpa_decode(q, k, v):
 def _filled_layer(spec: str, k: torch.Tensor, v: torch.Tensor, config):
     """A one-layer cache of `spec` holding `k, v (B, Hkv, S, D)` plus one decode token; returns the cache and the
     handles of that step."""
-    cache = make_cache(spec, _ConfigOnly(config))
+    cache = make_cache(spec, config)
     layer = cache.layers[0]
     layer.fused = True
     layer.update(k, v)
@@ -360,7 +353,7 @@ def capacity_part(cfg: BenchConfig, log=print) -> list[dict]:
     bf16_seq = 2 * 2 * hkv * d * s * layers
     rows = [dict(method="bf16", seq_bytes=bf16_seq, batch=int(budget // bf16_seq), ratio=1.0)]
     for spec in cfg.methods:
-        cache = make_cache(spec, _ConfigOnly(config))
+        cache = make_cache(spec, config)
         cache.layers[0].update(k, v)
         seq = cache.layers[0].allocated_nbytes() * layers
         rows.append(dict(method=spec, seq_bytes=seq, batch=int(budget // seq), ratio=bf16_seq / seq))

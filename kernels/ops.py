@@ -145,7 +145,7 @@ def decode_attention(
     block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else TUNING["block_n"]
     rows = tq * g
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    m_tiles = triton_cdiv(rows, block_m)
+    m_tiles = decode.triton.cdiv(rows, block_m)
     body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     n_body_tiles = body // block_n
     per_split = b * hkv * m_tiles
@@ -220,17 +220,9 @@ def decode_attention(
     decode._combine[(b * hkv * rows,)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), saux,
         hkv, tq, n_parts, m_tiles * block_m,
-        G=g, D=d, NP=max(triton_next_pow2(n_parts), 1), HAS_SAUX=s_aux is not None, num_warps=4,
+        G=g, D=d, NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None, num_warps=4,
     )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 # ------------------------------------------------------------------------------------------ quantize/pack
@@ -257,7 +249,7 @@ def pack_per_token(
     zero = scale if symmetric else out["zero"]
     if zero.stride() != scale.stride():
         raise ValueError("scale and zero must share a layout")
-    grid = (b * h, triton_cdiv(t, _PACK_BLOCK_T))
+    grid = (b * h, pack.triton.cdiv(t, _PACK_BLOCK_T))
     pack._pack_per_token[grid](
         x, *_bh_t_strides(x), codes, *_bh_t_strides(codes), scale, *_bh_t_strides(scale), zero, t, h,
         D=d, CHG=group_size or d, BITS=bits, SYM=symmetric, BLOCK_T=_PACK_BLOCK_T,
@@ -304,7 +296,7 @@ def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, 
 
     b, h, t, d = x.shape
     s = scale.to(device=x.device, dtype=torch.float32)
-    grid = (b * h, triton_cdiv(t, _PACK_BLOCK_T))
+    grid = (b * h, pack.triton.cdiv(t, _PACK_BLOCK_T))
     pack._pack_fp8[grid](
         x, *_bh_t_strides(x), out, *_bh_t_strides(out),
         s, s.stride(0) if s.shape[0] > 1 else 0, s.stride(1) if s.shape[1] > 1 else 0, t, h, float(fmax),

@@ -34,6 +34,7 @@ class FP8Codec(Codec):
         super().__init__()
         self.fmt, self.scale_mode, self.headroom = fmt, scale_mode, headroom
         self.fixed_scale = None if scale is None else scale.float().reshape(1, -1, 1, 1)
+        self._unit: torch.Tensor | None = None  # scale 1 as the kernels take it (scale="none")
 
     def _scale(self, x: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor | float:
         if self.scale_mode == "none":
@@ -58,34 +59,38 @@ class FP8Codec(Codec):
                 "the calibration was made for another model"
             )
 
+    def _kernel(self, x: torch.Tensor) -> bool:
+        return kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1])
+
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        self._check_heads(x)
-        scale = self._scale(x, valid)
-        if kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1]):
+        if self._kernel(x):
             out = {"codes": torch.empty(x.shape, dtype=torch.uint8, device=x.device)}
-            self._pack(x, scale, out)
+            self.encode_into(x, valid, out)
             return out
-        return {"codes": quantize_fp8(x, self.fmt, scale)}
+        self._check_heads(x)
+        return {"codes": quantize_fp8(x, self.fmt, self._scale(x, valid))}
 
     def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
-        if kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1]):
-            self._check_heads(x)
-            self._pack(x, self._scale(x, valid), out)
-        else:
+        if not self._kernel(x):
             super().encode_into(x, valid, out)
+            return
+        self._check_heads(x)
+        self._scale(x, valid)  # sets the dynamic scale on the first tokens
+        kernels.ops.pack_fp8(x, out["codes"], self._head_scale(x.device), self.fmt, fp8_max(self.fmt))
 
-    def _pack(self, x: torch.Tensor, scale: torch.Tensor | float, out: dict[str, torch.Tensor]) -> None:
-        if not isinstance(scale, torch.Tensor):
-            scale = torch.full((1, 1), float(scale), device=x.device)
-        kernels.ops.pack_fp8(x, out["codes"], scale.reshape(scale.shape[0], -1), self.fmt, fp8_max(self.fmt))
+    def _head_scale(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """The scale as the kernels take it, `(B or 1, H)` float32; None while a dynamic scale is not set yet."""
+        if self.scale_mode == "calibrated":
+            return self.fixed_scale.reshape(1, -1)
+        if self.scale_mode == "dynamic":
+            scale = self.state.get("scale")
+            return None if scale is None else scale.reshape(scale.shape[:2])
+        if device is not None and self._unit is None:
+            self._unit = torch.ones(1, 1, device=device)  # made once, not every step
+        return self._unit
 
     def packed_format(self) -> PackedFormat:
-        scale = None
-        if self.scale_mode == "calibrated":
-            scale = self.fixed_scale.reshape(1, -1)
-        elif "scale" in self.state:
-            scale = self.state["scale"].reshape(self.state["scale"].shape[:2])
-        return PackedFormat(kind=f"fp8-{self.fmt}", scale=scale)
+        return PackedFormat(kind=f"fp8-{self.fmt}", scale=self._head_scale())
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         codes = fields["codes"]
