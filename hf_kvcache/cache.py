@@ -33,9 +33,18 @@ from .kernels.layout import PackedFormat, StreamTensors
 # more than ~25% + a few rows while every row is still copied O(1) times amortized.
 _GROWTH = 1.25
 _MIN_GROW = 64
+# Capacities are rounded up to a multiple of this many rows: the storage's batch and head strides then stay
+# multiples of 16 as it grows, which the fused kernels' specialization relies on for aligned, vectorized loads
+# (`kernels/decode.py`, `_VARYING`).
+_ROW_ALIGN = 16
+
 # A sliding-window layer keeps this many tokens beyond its window so that `crop` (assisted generation) can roll
 # back a few tokens; trimming happens in bulk, amortized.
 _SLIDING_CROP_MARGIN = 64
+
+
+def _capacity(rows: int) -> int:
+    return -(-rows // _ROW_ALIGN) * _ROW_ALIGN
 
 
 class Codec(ABC):
@@ -111,7 +120,7 @@ class _Rows:
         if n == 0:
             return
         if self.data is None:
-            cap = max(n, _MIN_GROW)
+            cap = _capacity(max(n, _MIN_GROW))
             self.data = {
                 k: torch.empty((*v.shape[:2], cap, *v.shape[3:]), dtype=v.dtype, device=v.device)
                 for k, v in fields.items()
@@ -150,6 +159,7 @@ class _Rows:
 
     def _compact(self, capacity: int) -> None:
         live = len(self)
+        capacity = _capacity(capacity)
         new = {}
         for k, v in self.data.items():
             buf = torch.empty((*v.shape[:2], capacity, *v.shape[3:]), dtype=v.dtype, device=v.device)
@@ -168,11 +178,11 @@ class _Rows:
             self.start = self.end = 0
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch-axis operation (index_select, repeat_interleave) to the live rows."""
+        """Apply a batch-axis operation (index_select, repeat_interleave) to the storage."""
         if self.data is None:
             return
-        self.data = {k: fn(v[:, :, self.start : self.end]).contiguous() for k, v in self.data.items()}
-        self.start, self.end = 0, self.end - self.start
+        # The whole buffer, spare rows included: the capacity (and the strides' alignment) stays as it was.
+        self.data = {k: fn(v) for k, v in self.data.items()}
 
     def nbytes(self) -> int:
         if self.data is None:

@@ -70,15 +70,10 @@ def _unpack_rows(ptr, row_off, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _group_dequant(C, SC, Z, tok, sc_t, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                   CHG: tl.constexpr, SYM: tl.constexpr, GATHER: tl.constexpr):
-    """Per-token groups of CHG channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero.
-    GATHER: every element loads its own byte and scale (cached repeats) instead of splitting bytes and
-    broadcasting scales by reshapes (which variant is faster is the benchmark sweep's question)."""
-    if GATHER:
-        d = tl.arange(0, D)[None, :]
-        everywhere = (tok >= 0)[:, None]
-        x = _dequant(C, SC, Z, tok[:, None], d, everywhere, sc_t, ss_t, ss_c, 1.0, 3, BITS, 1, CHG, SYM)
-        return x
+                   CHG: tl.constexpr, SYM: tl.constexpr):
+    """Per-token groups of CHG < D channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero. The group
+    scales are broadcast by reshapes, which keeps the dequantized tile from being produced in the tensor-core
+    operand layout: it goes through shared memory (see the module docstring)."""
     NG: tl.constexpr = D // CHG
     code = _unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32)
     j = tl.arange(0, NG)
@@ -90,6 +85,46 @@ def _group_dequant(C, SC, Z, tok, sc_t, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl
     else:
         x = code3 * scale[:, :, None] + tl.load(Z + soff).to(tl.float32)[:, :, None]
     return tl.reshape(x, (BLOCK_N, D))
+
+
+@triton.jit
+def _plane(byte, P: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr):
+    """Plane P of packed bytes `byte` (int32): the codes of elements PER*j + P, as exact DT values OFF + code.
+    OFF > 0 writes the code into the mantissa of OFF (128 in bf16 for codes < 128, 1024 in fp16): two integer
+    operations and a reinterpretation instead of an int-to-float conversion; the caller removes OFF * sum(other
+    operand) after the product."""
+    if BITS == 8:
+        c = byte
+    else:
+        c = (byte >> (P * BITS)) & ((1 << BITS) - 1)
+    if OFF == 128:
+        x = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif OFF == 1024:
+        x = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        x = c.to(tl.float32).to(DT)
+    return x
+
+
+@triton.jit
+def _q_plane(Q, qoff, row_ok, j, P: tl.constexpr, PER: tl.constexpr):
+    """Query elements PER*j + P: (BLOCK_M, D / PER) in the query's dtype."""
+    return tl.load(Q + qoff[:, None] + (PER * j + P)[None, :], mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
+                  OFF: tl.constexpr):
+    """sum over planes of q_P . (OFF + code_P): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys."""
+    PER: tl.constexpr = 8 // BITS
+    byte = tl.load(kc + tok[:, None] * skc_t + jk[None, :]).to(tl.int32)
+    s = _dot(q0, tl.trans(_plane(byte, 0, BITS, DT, OFF)), PREC)
+    if PER > 1:
+        s += _dot(q1, tl.trans(_plane(byte, 1, BITS, DT, OFF)), PREC)
+    if PER > 2:
+        s += _dot(q2, tl.trans(_plane(byte, 2, BITS, DT, OFF)), PREC)
+        s += _dot(q3, tl.trans(_plane(byte, 3, BITS, DT, OFF)), PREC)
+    return s
 
 
 @triton.jit
@@ -160,13 +195,13 @@ def _finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     return s * 1.4426950408889634
 
 
-# Integers that change from step to step (lengths, split counts) or when storage grows (batch and head strides)
-# are not specialized: Triton would otherwise compile a new variant whenever one of them turns 1 or a multiple of
-# 16, which during generation means seconds of compiling between tokens.
+# Integers that change from step to step (lengths, split counts, the mask's strides, which follow the length) are
+# not specialized: Triton would otherwise compile a new variant whenever one of them turns 1 or a multiple of 16,
+# which during generation means seconds of compiling between tokens. Strides of the places are specialized: their
+# divisibility by 16 is what lets Triton prove the tile loads aligned, vectorize them and pipeline them
+# (cp.async); the cache keeps its capacity a multiple of 16 rows so that they stay in one class as it grows.
 _VARYING = (
-    "sq_b", "sq_h", "sq_t", "sks_b", "sks_h", "skc_b", "skc_h", "sksc_b", "sksc_h", "skr_b", "skr_h",
-    "skn_b", "skn_h", "skf_b", "skf_h", "svs_b", "svs_h", "svc_b", "svc_h", "svsc_b", "svsc_h", "svr_b", "svr_h",
-    "svn_b", "svn_h", "svf_b", "svf_h", "sm_b", "sm_t", "sm_s", "Tq", "n_sink", "npk", "nrk", "npv", "nrv",
+    "sm_b", "sm_t", "sm_s", "Tq", "n_sink", "npk", "nrk", "npv", "nrv",
     "stop", "n_new", "n_body_tiles", "tiles_per_split", "n_splits", "m_tiles",
 )
 
@@ -183,7 +218,8 @@ def _attn_fwd(
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, GATHER: tl.constexpr, BODY: tl.constexpr,
+    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
+    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
 ):
@@ -230,7 +266,27 @@ def _attn_fwd(
 
     if BODY:
         # ------------------------------------------------------------------ body: whole packed tiles
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        KPER: tl.constexpr = 8 // K_BITS if K_PLANES else 1
+        VPER: tl.constexpr = 8 // V_BITS if V_PLANES else 1
+        jk = tl.arange(0, D // KPER)
+        jv = tl.arange(0, D // VPER)
+        if K_PLANES:
+            # query planes, rounded to the model dtype as the products see them; their sums undo OFF and the zeros
+            q0 = _q_plane(Q, qoff, row_ok, jk, 0, KPER).to(DT)
+            q1 = q0
+            q2 = q0
+            q3 = q0
+            if KPER > 1:
+                q1 = _q_plane(Q, qoff, row_ok, jk, 1, KPER).to(DT)
+            if KPER > 2:
+                q2 = _q_plane(Q, qoff, row_ok, jk, 2, KPER).to(DT)
+                q3 = _q_plane(Q, qoff, row_ok, jk, 3, KPER).to(DT)
+            q_sum = tl.sum(qd.to(tl.float32), 1)
+        acc0 = tl.zeros((BLOCK_M, D // VPER), tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        extra = tl.zeros((BLOCK_M,), tl.float32)  # sum_n p_n (zero_n - OFF * scale_n) for per-token values
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
         for tile in range(lo, hi):
@@ -239,18 +295,39 @@ def _attn_fwd(
             if K_FMT != 3:
                 c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
                 s = _dot(qd, tl.trans(_fp8_to_float(c, K_FMT).to(DT)), PREC) * k_scale
-            elif K_TOKG == 1:
-                kt = _group_dequant(kc, ksc, kz, tok, skc_t, sksc_t, sksc_c, BLOCK_N, D, K_BITS, K_CHG, K_SYM,
-                                    GATHER)
-                s = _dot(qd, tl.trans(kt.to(DT)), PREC)
+            elif K_PLANES and K_TOKG > 1:
+                # one tile = one block of K_TOKG tokens with per-channel scales: q.k = (q * s) . c + q . z
+                sc = tl.load(ksc + tile * sksc_t + (KPER * jk) * sksc_c).to(tl.float32)
+                qs0 = (q0.to(tl.float32) * sc[None, :]).to(DT)
+                qs1 = qs0
+                qs2 = qs0
+                qs3 = qs0
+                qs_sum = tl.sum(qs0.to(tl.float32), 1)
+                if KPER > 1:
+                    sc = tl.load(ksc + tile * sksc_t + (KPER * jk + 1) * sksc_c).to(tl.float32)
+                    qs1 = (q1.to(tl.float32) * sc[None, :]).to(DT)
+                    qs_sum += tl.sum(qs1.to(tl.float32), 1)
+                if KPER > 2:
+                    sc = tl.load(ksc + tile * sksc_t + (KPER * jk + 2) * sksc_c).to(tl.float32)
+                    qs2 = (q2.to(tl.float32) * sc[None, :]).to(DT)
+                    sc = tl.load(ksc + tile * sksc_t + (KPER * jk + 3) * sksc_c).to(tl.float32)
+                    qs3 = (q3.to(tl.float32) * sc[None, :]).to(DT)
+                    qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
+                zr = tl.load(kz + tile * sksc_t + d * sksc_c).to(tl.float32)
+                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, DT, K_OFF)
+                s += (tl.sum(qf * zr[None, :], 1) - K_OFF * qs_sum)[:, None]
+            elif K_PLANES:
+                # one group per token row: q.k = scale * (q . c) + zero * sum(q)
+                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, DT, K_OFF)
+                sc = tl.load(ksc + tok * sksc_t).to(tl.float32)
+                if K_SYM:
+                    s = (s - (K_OFF + (1 << (K_BITS - 1))) * q_sum[:, None]) * sc[None, :]
+                else:
+                    s = (s - K_OFF * q_sum[:, None]) * sc[None, :] + q_sum[:, None] * \
+                        tl.load(kz + tok * sksc_t).to(tl.float32)[None, :]
             else:
-                # one tile = one block of K_TOKG tokens sharing per-channel scales: q.k = (q * s) . c + q . z
-                c = _unpack_rows(kc, tok * skc_t, BLOCK_N, D, K_BITS)  # (BLOCK_N, D)
-                soff = tile * sksc_t + d * sksc_c
-                sc = tl.load(ksc + soff).to(tl.float32)
-                zr = tl.load(kz + soff).to(tl.float32)
-                qs = (qf * sc[None, :]).to(DT)
-                s = _dot(qs, tl.trans(c.to(DT)), PREC) + tl.sum(qf * zr[None, :], 1)[:, None]
+                kt = _group_dequant(kc, ksc, kz, tok, skc_t, sksc_t, sksc_c, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
+                s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK:
                 kpos = n_sink + tok
@@ -261,12 +338,36 @@ def _attn_fwd(
             # ---- values
             if V_FMT != 3:
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
-                vt = _fp8_to_float(c, V_FMT).to(DT)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
+            elif V_PLANES:
+                # one group per token row: sum_n p_n v_n = (p * scale) . c + sum_n p_n zero_n
+                sc = tl.load(vsc + tok * svsc_t).to(tl.float32)
+                ps = (p * sc[None, :]).to(DT)
+                if V_SYM:
+                    extra = extra * alpha - (V_OFF + (1 << (V_BITS - 1))) * tl.sum(ps.to(tl.float32), 1)
+                else:
+                    zr = tl.load(vz + tok * svsc_t).to(tl.float32)
+                    extra = extra * alpha + tl.sum(p * zr[None, :] - V_OFF * ps.to(tl.float32), 1)
+                byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
+                acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, DT, V_OFF), PREC)
+                if VPER > 1:
+                    acc1 = acc1 * alpha[:, None] + _dot(ps, _plane(byte, 1, V_BITS, DT, V_OFF), PREC)
+                if VPER > 2:
+                    acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, DT, V_OFF), PREC)
+                    acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, DT, V_OFF), PREC)
             else:
-                vt = _group_dequant(vc, vsc, vz, tok, svc_t, svsc_t, svsc_c, BLOCK_N, D, V_BITS, V_CHG, V_SYM,
-                                    GATHER).to(DT)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
-        out = acc * v_scale
+                vt = _group_dequant(vc, vsc, vz, tok, svc_t, svsc_t, svsc_c, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+        ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
+        if V_FMT != 3:
+            tl.store(ptr, acc0 * v_scale)
+        else:
+            tl.store(ptr, acc0 + extra[:, None])
+            if VPER > 1:
+                tl.store(ptr + 1, acc1 + extra[:, None])
+            if VPER > 2:
+                tl.store(ptr + 2, acc2 + extra[:, None])
+                tl.store(ptr + 3, acc3 + extra[:, None])
     else:
         # ------------------------------------------------------------------ tail: every other token
         body_end = n_sink + n_body_tiles * BLOCK_N
@@ -299,8 +400,7 @@ def _attn_fwd(
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, stop, n_new, DT,
                              V_FMT, V_BITS, 1, V_CHG, V_SYM)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
-        out = acc
-    tl.store(ACC + part[:, None] * D + d[None, :], out)
+        tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
 

@@ -15,13 +15,14 @@ from .layout import FP8_KINDS, StreamTensors
 # Launch parameters of the fused attention (the benchmark's sweep sets them; the environment can too):
 # tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
 # split-K's target of programs per multiprocessor (each split keeps at least `min_tiles_per_split` tiles).
+# Defaults from the H200 sweep of 2026-11-29 (BENCHMARKS.md): 64-token tiles with 3 stages and about 8 programs
+# per multiprocessor beat 32-token tiles with 2 stages by 1.1-1.5x for every format.
 TUNING = {
-    "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "32")),
+    "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),
     "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4")),
-    "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "2")),
-    "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "4")),
+    "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "3")),
+    "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "8")),
     "min_tiles_per_split": 2,
-    "gather": os.environ.get("HF_KVCACHE_GATHER", "0") == "1",  # per-element code/scale loads (see decode.py)
 }
 
 
@@ -54,6 +55,23 @@ def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor) ->
         if st.fmt.kind == "uniform" and st.fmt.token_group > 1 and st.fmt.token_group not in (16, 32, 64, 128):
             return f"token group {st.fmt.token_group}"
     return None
+
+
+def _planes(fmt, head_dim: int, keys: bool) -> bool:
+    """Whether the body reads this stream's codes as bit planes with its scales applied outside the products
+    (one group per token row, or per-channel key blocks); other uniform formats dequantize whole tiles."""
+    if fmt.kind != "uniform":
+        return False
+    return (keys and fmt.token_group > 1) or (fmt.channel_group or head_dim) == head_dim
+
+
+def _magic_offset(fmt, dtype: torch.dtype) -> int:
+    """OFF of `decode._plane`: 128 for codes below 128 in bf16, 1024 in fp16, 0 (a plain conversion) otherwise."""
+    if fmt.kind != "uniform" or backend.interpreting():
+        return 0
+    if dtype == torch.float16:
+        return 1024
+    return 128 if dtype == torch.bfloat16 and fmt.bits <= 4 else 0
 
 
 def _len(t: torch.Tensor | None) -> int:
@@ -207,7 +225,9 @@ def decode_attention(
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
-        HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None, GATHER=TUNING["gather"],
+        HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
+        K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
+        K_OFF=_magic_offset(keys.fmt, query.dtype), V_OFF=_magic_offset(values.fmt, query.dtype),
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
     )

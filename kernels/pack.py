@@ -48,7 +48,7 @@ def _pack_rows(q, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     return out.to(tl.uint8)
 
 
-@triton.jit(do_not_specialize=("sx_b", "sx_h", "sc_b", "sc_h", "ss_b", "ss_h", "T"))
+@triton.jit(do_not_specialize=("T",))
 def _pack_per_token(
     X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, SC, ss_b, ss_h, ss_t, Z, T, H,
     D: tl.constexpr, CHG: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -86,7 +86,7 @@ def _pack_per_token(
     tl.store(C + b * sc_b + h * sc_h + tok[:, None] * sc_t + nb[None, :], packed, mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=("sx_b", "sx_h", "sv_b", "sc_b", "sc_h", "sc_n", "ss_b", "ss_h"))
+@triton.jit(do_not_specialize=("sv_b",))
 def _pack_per_channel(
     X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, C, sc_b, sc_h, sc_n, SC, ss_b, ss_h, ss_n, Z,
     H, r0, r1, r2, r3, r4,
@@ -157,7 +157,7 @@ def _fp8_grid(y, MANT: tl.constexpr, EMIN: tl.constexpr):
     return _rint(y * inv) * step
 
 
-@triton.jit(do_not_specialize=("sx_b", "sx_h", "sc_b", "sc_h", "T"))
+@triton.jit(do_not_specialize=("T",))
 def _pack_fp8(
     X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, S, ss_b, ss_h, T, H, fmax,
     D: tl.constexpr, E5M2: tl.constexpr, BLOCK_T: tl.constexpr,

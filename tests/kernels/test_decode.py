@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from transformers import LlamaConfig
 
 from hf_kvcache import kernels, make_cache
 from hf_kvcache.attention import fused_attention, reference_attention
+from hf_kvcache.kernels.decode import _plane
 from tests.helpers.methods import METHODS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,6 +75,42 @@ def test_decode_step_matches_reference(spec, kwargs):
     _compare(spec, kwargs, steps=(150, 1, 1))
 
 
+@pytest.mark.parametrize("spec,kwargs", [("int4-g64", {"sink_tokens": 1, "residual_length": 5}),
+                                         ("int2-g32", {"group_size": 64}), ("int4-g64", {"symmetric": True})])
+def test_whole_row_groups_read_as_bit_planes(spec, kwargs):
+    """One group per token row: the body reads the codes as bit planes and applies scales and zeros outside the
+    products (q.k = s (q.c) + z sum(q); sum_n p_n v_n = (p s).c + sum_n p_n z_n)."""
+    from hf_kvcache.kernels import ops
+
+    cache, _ = _filled_layer(spec, kwargs, batch=1, heads=2, kv_heads=1, head_dim=64, steps=(3,),
+                             dtype=torch.float32)
+    fmt = cache.layers[0].key_stream.codec.packed_format()
+    assert ops._planes(fmt, 64, keys=True) and ops._planes(fmt, 64, keys=False)
+    _compare(spec, kwargs, steps=(150, 1, 1))
+
+
+@triton.jit
+def _planes_kernel(X, OUT, N: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr):
+    i = tl.arange(0, N)
+    byte = tl.load(X + i).to(tl.int32)
+    for p in tl.static_range(8 // BITS):
+        tl.store(OUT + p * N + i, _plane(byte, p, BITS, DT, OFF).to(tl.float32))
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (2, torch.bfloat16), (8, torch.float16),
+                                        (4, torch.float16)])
+def test_magic_number_planes_are_exact(bits, dtype):
+    """`_plane` with OFF > 0 writes codes into the mantissa of OFF: every code of every plane comes out exactly as
+    OFF + code (the GPU path for bf16/fp16 models; the interpreted tests run fp32, so this checks it alone)."""
+    off = 1024 if dtype == torch.float16 else 128
+    x = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(8 // bits, 256, device=DEVICE)
+    _planes_kernel[(1,)](x, out, N=256, BITS=bits, DT=tl.float16 if dtype == torch.float16 else tl.bfloat16, OFF=off)
+    shifts = torch.arange(8 // bits, device=DEVICE)[:, None] * bits
+    want = ((x.long()[None, :] >> shifts) & ((1 << bits) - 1)) + off
+    assert torch.equal(out, want.float())
+
+
 @pytest.mark.parametrize("spec,kwargs", SPECS[:7], ids=IDS[:7])
 def test_chunk_of_queries_with_padding_mask(spec, kwargs):
     """q_len > 1 over a stored past (chunked prefill / speculative verification), left padding in row 0."""
@@ -94,26 +133,14 @@ def test_paper_protocol_reads_the_stored_new_tokens(spec):
     _compare(spec, kwargs, steps=(90, 1), quantize_before=True)
 
 
-@pytest.mark.parametrize("spec", ["int4-g32", "int2-g32", "int8"])
-def test_gather_variant_matches_reference(spec):
-    """The per-element-load variant of the body (a launch parameter the benchmark sweeps)."""
-    from hf_kvcache.kernels import ops
-
-    saved = dict(ops.TUNING)
-    ops.TUNING["gather"] = True
-    try:
-        _compare(spec, {}, steps=(150, 1))
-    finally:
-        ops.TUNING.update(saved)
-
-
 @pytest.mark.parametrize("spec,kwargs,prefill", [("kivi-2", {"residual_length": 32}, 100),
                                                  ("int4-g32", {"sink_tokens": 1, "residual_length": 16}, 3)])
 def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec, kwargs, prefill):
-    """Triton compiles a new variant whenever a specialized integer turns 1 or a multiple of 16. Every integer the
-    launcher passes with different values across decode steps (lengths, splits, strides of growing storage) must be
-    in the kernel's do_not_specialize list, or generation stalls on compiles (measured: 5-6 compiles in 70 steps,
-    hundreds of ms a token on the GPU host)."""
+    """Triton compiles a new variant whenever a specialized integer turns 1 or a multiple of 16 (or stops being
+    one). Every integer the launcher passes with different values across decode steps must either be in the
+    kernel's do_not_specialize list (lengths, splits) or stay in one class (the strides of growing storage, whose
+    divisibility the kernel needs for aligned vector loads), or generation stalls on compiles (measured: 5-6
+    compiles in 70 steps, hundreds of ms a token on the GPU host)."""
     from hf_kvcache.kernels import decode, ops
 
     import inspect
@@ -143,7 +170,13 @@ def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec
             ops.decode_attention(torch.randn(2, 4, 1, 64).to(DEVICE), layer.key_stream.kernel_view(),
                                  layer.value_stream.kernel_view(), kh.new, vh.new, exact_new=True,
                                  attention_mask=mask, scaling=0.125)
-    varying = {names[i] for i in range(len(calls[0]))
-               if isinstance(calls[0][i], int) and len({c[i] for c in calls}) > 1}
-    assert varying, "the test should see lengths change"
-    assert varying <= set(decode._VARYING), f"specialized but varying: {sorted(varying - set(decode._VARYING))}"
+    ints = [i for i in range(len(calls[0])) if type(calls[0][i]) is int]
+    varying = {names[i] for i in ints if len({c[i] for c in calls}) > 1}
+    assert {"npk", "stop"} <= varying, "the test should see lengths change"
+    reclassed = {names[i] for i in ints if len({(c[i] == 1, c[i] % 16 == 0) for c in calls}) > 1}
+    assert reclassed <= set(decode._VARYING), f"specialized, changing class: {sorted(reclassed - set(decode._VARYING))}"
+    strides = {names[i] for i in ints if names[i].rsplit("_", 1)[0] in ("skc", "svc", "sksc", "svsc", "skr", "svr")
+               and names[i][-2:] in ("_b", "_h")}
+    assert len(strides) == 12 and not strides & set(decode._VARYING), "storage strides must stay specialized"
+    unaligned = {names[i] for i in ints if names[i] in strides and any(c[i] % 16 for c in calls)}
+    assert not unaligned, f"storage strides not multiples of 16 (no vector loads): {sorted(unaligned)}"
