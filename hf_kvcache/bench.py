@@ -185,8 +185,8 @@ def sweep_part(cfg: BenchConfig, log=print) -> list[dict]:
     for spec in cfg.methods:
         cache, (kh, vh) = _filled_layer(spec, k, v, config)
         per_channel_keys = cache.layers[0].key_stream.codec.packed_format().token_group > 1
-        for block_n in (64,) if per_channel_keys else (32, 64):  # per-channel keys: a tile is a block
-            for warps, stages in ((4, 2), (4, 3), (8, 3)):
+        for block_n in (64,) if per_channel_keys else (32, 64, 128):  # per-channel keys: a tile is a block
+            for warps, stages in ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4)):
                 ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
                     ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, d**-0.5), rep_ms=50)
