@@ -69,22 +69,68 @@ def _unpack_rows(ptr, row_off, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.
 
 
 @triton.jit
-def _group_dequant(C, SC, Z, tok, sc_t, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+def _group_dequant(C, tok, sc_t, scale, zero, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                    CHG: tl.constexpr, SYM: tl.constexpr):
-    """Per-token groups of CHG < D channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero. The group
-    scales are broadcast by reshapes, which keeps the dequantized tile from being produced in the tensor-core
-    operand layout: it goes through shared memory (see the module docstring)."""
+    """Per-token groups of CHG < D channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero, from the
+    tile's `scale`/`zero (BLOCK_N, D / CHG)`. The group scales are broadcast by reshapes, which keeps the
+    dequantized tile from being produced in the tensor-core operand layout: it goes through shared memory."""
     NG: tl.constexpr = D // CHG
-    code = _unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32)
-    j = tl.arange(0, NG)
-    soff = tok[:, None] * ss_t + j[None, :] * ss_c  # (BLOCK_N, NG)
-    scale = tl.load(SC + soff).to(tl.float32)
-    code3 = tl.reshape(code, (BLOCK_N, NG, CHG))
+    code3 = tl.reshape(_unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32), (BLOCK_N, NG, CHG))
     if SYM:
         x = (code3 - (1 << (BITS - 1))) * scale[:, :, None]
     else:
-        x = code3 * scale[:, :, None] + tl.load(Z + soff).to(tl.float32)[:, :, None]
+        x = code3 * scale[:, :, None] + zero[:, :, None]
     return tl.reshape(x, (BLOCK_N, D))
+
+
+@triton.jit
+def _side(SC, Z, tile, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+          BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr, PLANES: tl.constexpr):
+    """The scales and zeros one body tile needs, as float32 (a0, a1, a2, a3, z): per-channel key blocks: the
+    scales of each bit plane's channels (D / PER,) and the zeros (D,); one group per token: (BLOCK_N,) scales and
+    zeros; smaller groups: (BLOCK_N, D / CHG) tiles; fp8: placeholders. The body loads them one tile ahead, so
+    that their latency overlaps the current tile's work (Triton's pipeliner only prefetches the code tiles)."""
+    n = tl.arange(0, BLOCK_N)
+    tok = tile * BLOCK_N + n
+    if FMT != 3:
+        a0 = tl.zeros((BLOCK_N,), tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        z = a0
+    elif TOKG > 1:
+        PER: tl.constexpr = 8 // BITS
+        j = tl.arange(0, D // PER)
+        base = SC + tile * ss_t
+        a0 = tl.load(base + (PER * j) * ss_c).to(tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        if PER > 1:
+            a1 = tl.load(base + (PER * j + 1) * ss_c).to(tl.float32)
+        if PER > 2:
+            a2 = tl.load(base + (PER * j + 2) * ss_c).to(tl.float32)
+            a3 = tl.load(base + (PER * j + 3) * ss_c).to(tl.float32)
+        z = tl.load(Z + tile * ss_t + tl.arange(0, D) * ss_c).to(tl.float32)
+    elif PLANES:
+        a0 = tl.load(SC + tok * ss_t).to(tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        z = a0
+        if not SYM:
+            z = tl.load(Z + tok * ss_t).to(tl.float32)
+    else:
+        g = tl.arange(0, D // CHG)
+        off = tok[:, None] * ss_t + g[None, :] * ss_c
+        a0 = tl.load(SC + off).to(tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        z = a0
+        if not SYM:
+            z = tl.load(Z + off).to(tl.float32)
+    return a0, a1, a2, a3, z
 
 
 @triton.jit
@@ -289,44 +335,49 @@ def _attn_fwd(
         extra = tl.zeros((BLOCK_M,), tl.float32)  # sum_n p_n (zero_n - OFF * scale_n) for per-token values
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
+        # scales and zeros of the first tile; each iteration loads the next tile's (the last one reloads its own)
+        ka0, ka1, ka2, ka3, kzr = _side(ksc, kz, lo, sksc_t, sksc_c, BLOCK_N, D, K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM,
+                                        K_PLANES)
+        va0, va1, va2, va3, vzr = _side(vsc, vz, lo, svsc_t, svsc_c, BLOCK_N, D, V_FMT, V_BITS, 1, V_CHG, V_SYM,
+                                        V_PLANES)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n  # packed token indices (BLOCK_N,)
+            k0, k1, k2, k3, kz_t = ka0, ka1, ka2, ka3, kzr
+            v0, v1, v2, v3, vz_t = va0, va1, va2, va3, vzr
+            nxt = tl.minimum(tile + 1, hi - 1)
+            ka0, ka1, ka2, ka3, kzr = _side(ksc, kz, nxt, sksc_t, sksc_c, BLOCK_N, D, K_FMT, K_BITS, K_TOKG, K_CHG,
+                                            K_SYM, K_PLANES)
+            va0, va1, va2, va3, vzr = _side(vsc, vz, nxt, svsc_t, svsc_c, BLOCK_N, D, V_FMT, V_BITS, 1, V_CHG,
+                                            V_SYM, V_PLANES)
             # ---- scores (BLOCK_M, BLOCK_N)
             if K_FMT != 3:
                 c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
                 s = _dot(qd, tl.trans(_fp8_to_float(c, K_FMT).to(DT)), PREC) * k_scale
             elif K_PLANES and K_TOKG > 1:
                 # one tile = one block of K_TOKG tokens with per-channel scales: q.k = (q * s) . c + q . z
-                sc = tl.load(ksc + tile * sksc_t + (KPER * jk) * sksc_c).to(tl.float32)
-                qs0 = (q0.to(tl.float32) * sc[None, :]).to(DT)
+                qs0 = (q0.to(tl.float32) * k0[None, :]).to(DT)
                 qs1 = qs0
                 qs2 = qs0
                 qs3 = qs0
                 qs_sum = tl.sum(qs0.to(tl.float32), 1)
                 if KPER > 1:
-                    sc = tl.load(ksc + tile * sksc_t + (KPER * jk + 1) * sksc_c).to(tl.float32)
-                    qs1 = (q1.to(tl.float32) * sc[None, :]).to(DT)
+                    qs1 = (q1.to(tl.float32) * k1[None, :]).to(DT)
                     qs_sum += tl.sum(qs1.to(tl.float32), 1)
                 if KPER > 2:
-                    sc = tl.load(ksc + tile * sksc_t + (KPER * jk + 2) * sksc_c).to(tl.float32)
-                    qs2 = (q2.to(tl.float32) * sc[None, :]).to(DT)
-                    sc = tl.load(ksc + tile * sksc_t + (KPER * jk + 3) * sksc_c).to(tl.float32)
-                    qs3 = (q3.to(tl.float32) * sc[None, :]).to(DT)
+                    qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
+                    qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
                     qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
-                zr = tl.load(kz + tile * sksc_t + d * sksc_c).to(tl.float32)
                 s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, DT, K_OFF)
-                s += (tl.sum(qf * zr[None, :], 1) - K_OFF * qs_sum)[:, None]
+                s += (tl.sum(qf * kz_t[None, :], 1) - K_OFF * qs_sum)[:, None]
             elif K_PLANES:
                 # one group per token row: q.k = scale * (q . c) + zero * sum(q)
                 s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, DT, K_OFF)
-                sc = tl.load(ksc + tok * sksc_t).to(tl.float32)
                 if K_SYM:
-                    s = (s - (K_OFF + (1 << (K_BITS - 1))) * q_sum[:, None]) * sc[None, :]
+                    s = (s - (K_OFF + (1 << (K_BITS - 1))) * q_sum[:, None]) * k0[None, :]
                 else:
-                    s = (s - K_OFF * q_sum[:, None]) * sc[None, :] + q_sum[:, None] * \
-                        tl.load(kz + tok * sksc_t).to(tl.float32)[None, :]
+                    s = (s - K_OFF * q_sum[:, None]) * k0[None, :] + q_sum[:, None] * kz_t[None, :]
             else:
-                kt = _group_dequant(kc, ksc, kz, tok, skc_t, sksc_t, sksc_c, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
+                kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK:
@@ -341,13 +392,11 @@ def _attn_fwd(
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
             elif V_PLANES:
                 # one group per token row: sum_n p_n v_n = (p * scale) . c + sum_n p_n zero_n
-                sc = tl.load(vsc + tok * svsc_t).to(tl.float32)
-                ps = (p * sc[None, :]).to(DT)
+                ps = (p * v0[None, :]).to(DT)
                 if V_SYM:
                     extra = extra * alpha - (V_OFF + (1 << (V_BITS - 1))) * tl.sum(ps.to(tl.float32), 1)
                 else:
-                    zr = tl.load(vz + tok * svsc_t).to(tl.float32)
-                    extra = extra * alpha + tl.sum(p * zr[None, :] - V_OFF * ps.to(tl.float32), 1)
+                    extra = extra * alpha + tl.sum(p * vz_t[None, :] - V_OFF * ps.to(tl.float32), 1)
                 byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
                 acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, DT, V_OFF), PREC)
                 if VPER > 1:
@@ -356,7 +405,7 @@ def _attn_fwd(
                     acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, DT, V_OFF), PREC)
                     acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, DT, V_OFF), PREC)
             else:
-                vt = _group_dequant(vc, vsc, vz, tok, svc_t, svsc_t, svsc_c, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
+                vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:
