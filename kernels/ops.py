@@ -54,13 +54,15 @@ def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor) ->
     for st in (keys, values):
         if st.fmt.kind == "uniform" and st.fmt.token_group > 1 and st.fmt.token_group not in (16, 32, 64, 128):
             return f"token group {st.fmt.token_group}"
+    if keys.fmt.token_group > 1 and not _planes(keys.fmt, d, keys=True):
+        return f"per-channel {keys.fmt.bits}-bit keys need head_dim >= {16 * 8 // keys.fmt.bits} (bit planes of 16)"
     return None
 
 
 def _planes(fmt, head_dim: int, keys: bool) -> bool:
     """Whether the body reads this stream's codes as bit planes with its scales applied outside the products
     (one group per token row, or per-channel key blocks); other uniform formats dequantize whole tiles."""
-    if fmt.kind != "uniform":
+    if fmt.kind != "uniform" or head_dim * fmt.bits // 8 < 16:  # a plane is an operand of products: >= 16 wide
         return False
     return (keys and fmt.token_group > 1) or (fmt.channel_group or head_dim) == head_dim
 
@@ -160,7 +162,10 @@ def decode_attention(
     stop = held - n_new
     dummy = k_new
 
-    block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else TUNING["block_n"]
+    # Tiles of at most 16 KB of dequantized K (the body's shared-memory staging grows with it and the stages).
+    itemsize = query.element_size()
+    block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else min(TUNING["block_n"], 16384 // (d * itemsize))
+    stages = TUNING["num_stages"] if block_n * d * itemsize <= 16384 else 2
     rows = tq * g
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     m_tiles = decode.triton.cdiv(rows, block_m)
@@ -233,7 +238,7 @@ def decode_attention(
     )
     if n_splits:
         decode._attn_fwd[(b * hkv, n_splits, m_tiles)](
-            *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=TUNING["num_stages"]
+            *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=stages
         )
     decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     saux = s_aux if s_aux is not None else dummy
