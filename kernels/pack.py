@@ -48,6 +48,8 @@ def _pack_rows(q, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     return out.to(tl.uint8)
 
 
+# Only token counts (which change every step) are left unspecialized: the strides keep their divisibility by 16,
+# which lets Triton vectorize the stores (see `decode._VARYING`).
 @triton.jit(do_not_specialize=("T",))
 def _pack_per_token(
     X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, SC, ss_b, ss_h, ss_t, Z, T, H,
