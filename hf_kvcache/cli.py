@@ -2,6 +2,8 @@
 
     hf-kvcache compare            the demo: every basic method on the default model, one table, one plot
     hf-kvcache eval --methods ... any methods, protocols and sizes (compare is eval with its defaults)
+    hf-kvcache calibrate          FP8 scales, key thresholds and NUQ codebooks of a model, in one artifact file
+    hf-kvcache bench              GPU benchmarks (kernels, end to end, capacity)
 
 Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
 table. A bad method spec is reported in one line with exit status 2.
@@ -329,6 +331,26 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate any methods: perplexity, passkey, memory")
     _add_common(evaluate)
     _add_eval_options(evaluate)
+    cal = sub.add_parser(
+        "calibrate",
+        help="calibrate a model: per-head FP8 scales, key thresholds and NUQ codebooks in one artifact",
+        description="Runs the model over calibration text (default: the middle of the dev corpus, disjoint from "
+        "the evaluation windows of up to ~10k tokens) and writes one .safetensors artifact. By default it is stored "
+        "in the user cache folder under the model's fingerprint, where calibrated caches find it.",
+    )
+    cal.add_argument("--model", default=None, help="the embedded default (default), a local HF model directory or .gguf")
+    cal.add_argument("--text", default=None, metavar="FILE", help="calibration text (default: the dev corpus)")
+    cal.add_argument("--tokens", type=int, default=16384, help="calibration tokens (default 16384)")
+    cal.add_argument("--bits", default="2,3,4", help="NUQ codebook bit widths (default 2,3,4)")
+    cal.add_argument("--outlier-fraction", type=float, default=0.01, help="share of outliers kept exact (default 0.01)")
+    cal.add_argument("--weighting", choices=("fisher", "none"), default="fisher",
+                     help="k-means weights: squared gradients of the loss (default) or none (no backward pass)")
+    cal.add_argument("--chunk", type=int, default=512, help="tokens per forward pass (default 512)")
+    cal.add_argument("--out", default=None, metavar="PATH", help="artifact path (default: the user cache folder)")
+    cal.add_argument("--vllm-out", default=None, metavar="PATH", help="also write FP8 scales under vLLM's names")
+    cal.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    cal.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench = sub.add_parser(
         "bench",
         help="GPU benchmarks: decode-attention kernels, end-to-end generate, capacity",
@@ -405,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     full_argv = ["hf-kvcache", *(sys.argv[1:] if argv is None else argv)]
     if args.command == "bench":
         return _bench(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
     try:
         cfg = config_from_args(args)
         if args.threads is not None:
@@ -422,6 +446,49 @@ def main(argv: list[str] | None = None) -> int:
 
     print(format_table(table_rows(metrics)))
     print(f"\n{TABLE_NOTE}\nresults: {path}")
+    return 0
+
+
+def calibration_ids(tokenizer, text: str | None, tokens: int):
+    """`(1, tokens)` token ids to calibrate on, and a name for them: from the middle of the text (for the dev
+    corpus, disjoint from the evaluation windows, which start at its beginning and spread evenly), or the whole
+    text when it is shorter."""
+    from .eval.corpus import dev_text, load_text, tokenize_corpus
+
+    ids = tokenize_corpus(tokenizer, dev_text() if text is None else load_text(text))
+    if tokens < 2:
+        raise UsageError(f"--tokens must be at least 2, got {tokens}")
+    start = max(0, (len(ids) - tokens) // 2)
+    part = ids[start : start + tokens]
+    name = "dev corpus (pydoc_data.topics)" if text is None else str(text)
+    return part[None], f"{name}, tokens {start}..{start + len(part)} of {len(ids)}"
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import calibration
+    from .models import load_model
+
+    try:
+        bits = _int_list(args.bits, "--bits")
+        if args.threads is not None:
+            if args.threads < 1:
+                raise UsageError(f"--threads must be positive, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        if args.chunk < 2:
+            raise UsageError(f"--chunk must be at least 2 tokens, got {args.chunk}")
+        model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
+        ids, text = calibration_ids(tokenizer, args.text, args.tokens)
+        cal = calibration.calibrate(model, ids, text=text, bits=bits, outlier_fraction=args.outlier_fraction,
+                                    weighting=args.weighting, chunk=args.chunk, progress=not args.no_progress)
+    except (UsageError, ValueError) as error:
+        print(f"hf-kvcache: error: {error}", file=sys.stderr)
+        return 2
+    path = calibration.save(cal, args.out or calibration.default_path(model.config))
+    print(f"calibration of {cal.metadata['tokens']} tokens ({text}) in {cal.metadata['seconds']} s: {path}")
+    if args.vllm_out:
+        print(f"vLLM FP8 scales: {calibration.export_vllm(cal, args.vllm_out)}")
     return 0
 
 

@@ -239,3 +239,48 @@ def dequantize_fp8(
     """Inverse of `quantize_fp8`: raw fp8 bytes times `scale`."""
     fp8_dtype, _ = _fp8(fmt)
     return (codes.view(fp8_dtype).float() * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------------- non-uniform (NUQ) codebooks
+
+
+def nuq_quantize(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Nearest-centroid codes of normalized values: `x (...)`, `codebook (2^bits,)` sorted ascending ->
+    `uint8 (...)`. Ties go to the lower centroid; values beyond the ends take the end codes."""
+    if codebook.ndim != 1 or codebook.numel() > 256:
+        raise ValueError(f"a NUQ codebook is a 1-D tensor of at most 256 centroids, got shape {tuple(codebook.shape)}")
+    if codebook.numel() > 1 and not bool((codebook[1:] >= codebook[:-1]).all()):
+        raise ValueError("a NUQ codebook must be sorted ascending")
+    cb = codebook.to(device=x.device, dtype=torch.float32)
+    midpoints = (cb[1:] + cb[:-1]) / 2
+    return torch.bucketize(x.float(), midpoints, right=False).to(torch.uint8)
+
+
+def nuq_dequantize(codes: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `nuq_quantize`: the centroid of each code, `(...)` in `dtype`."""
+    return codebook.to(device=codes.device, dtype=torch.float32)[codes.long()].to(dtype)
+
+
+def normalize_per_channel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys against calibrated per-channel ranges (KVQuant): `x (..., H, D)`, `lo`/`hi (H, D)` -> the values mapped
+    to [-1, 1] by `(x - mid) / half` and a bool mask of the outliers (outside `[lo, hi]`)."""
+    mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+    outlier = (x < lo) | (x > hi)
+    return ((x - mid) / half).clamp(-1, 1), outlier
+
+
+def normalize_per_token(x: torch.Tensor, outliers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values per vector (KVQuant's per-token dense-and-sparse split): `x (..., D)`; the `outliers` elements of
+    largest magnitude in each vector are set apart, the rest are mapped to [-1, 1] by their own min and max.
+    Returns `(normalized (..., D), outlier mask (..., D), lo (..., 1), hi (..., 1))`."""
+    if outliers:
+        idx = x.abs().topk(outliers, dim=-1).indices
+        mask = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx, True)
+    else:
+        mask = torch.zeros_like(x, dtype=torch.bool)
+    inner = x.masked_fill(mask, float("nan"))
+    lo = torch.where(mask, float("inf"), x).amin(-1, keepdim=True)
+    hi = torch.where(mask, float("-inf"), x).amax(-1, keepdim=True)
+    mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+    normalized = ((inner - mid) / half).clamp(-1, 1).nan_to_num(0.0)
+    return normalized, mask, lo, hi

@@ -6,9 +6,9 @@ Scale modes:
   layer, then frozen: stored bytes are never rescaled, and a later value beyond the frozen range is clamped to
   the format's maximum (never NaN). The headroom (default 2) keeps later, larger tokens in range; E4M3's
   normal range spans 2^15, so it costs no precision on small values;
-- `calibrated`: per-layer, per-kv-head scales computed offline (`scales={"k_scale": (L, Hkv), "v_scale": (L, Hkv)}`
-  tensors, or any object with `fp8_scales(layer_idx) -> (k_scale (Hkv,), v_scale (Hkv,))`, such as a
-  calibration artifact).
+- `calibrated`: per-layer, per-kv-head scales computed offline: the artifact of `hf-kvcache calibrate` (found
+  by the model's fingerprint, or `calibration=PATH`), whose per-head amax becomes `amax * headroom / fp8_max`,
+  or explicit `scales={"k_scale": (L, Hkv), "v_scale": (L, Hkv)}` tensors, used as given.
 
 One byte per element plus a negligible per-head scale: 0.5 of a 16-bit cache.
 """
@@ -100,7 +100,8 @@ class FP8Codec(Codec):
         return dequantize_fp8(codes, self.fmt, scale, dtype)
 
 
-def _calibrated_scales(scales, num_layers: int, kv_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _calibrated_scales(scales, num_layers: int, kv_heads: int, fmt: str, headroom: float
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer `(k_scale (Hkv,), v_scale (Hkv,))` from a mapping of `(L, Hkv)` tensors or a calibration object."""
     if scales is None:
         raise ValueError(
@@ -108,7 +109,7 @@ def _calibrated_scales(scales, num_layers: int, kv_heads: int) -> list[tuple[tor
             "tensors (or a calibration artifact), or use scale='dynamic', which needs no calibration"
         )
     if hasattr(scales, "fp8_scales"):
-        return [tuple(t.float() for t in scales.fp8_scales(i)) for i in range(num_layers)]
+        return [tuple(t.float() for t in scales.fp8_scales(i, fmt, headroom)) for i in range(num_layers)]
     out = []
     for name in ("k_scale", "v_scale"):
         t = torch.as_tensor(scales[name]).float()
@@ -129,9 +130,12 @@ class QuantizedFP8Cache(QuantizedKVCache):
     Args:
         config: the model's config (`model.config`).
         fmt: "e4m3" (default: 3 mantissa bits, max 448) or "e5m2" (2 mantissa bits, max 57344).
-        scale: "dynamic" (default), "none" (or None) or "calibrated" (needs `scales`).
-        scales: calibrated per-layer per-kv-head scales, see the module docstring.
-        headroom: for dynamic scales, how far beyond the first tokens' amax the range reaches (default 2).
+        scale: "dynamic" (default), "none" (or None) or "calibrated" (a calibration artifact, or `scales`).
+        scales: explicit calibrated per-layer per-kv-head scales, see the module docstring.
+        calibration: for `scale="calibrated"`, a `Calibration` or the path of an artifact; default: the one
+            `hf-kvcache calibrate` stored for this model.
+        headroom: how far beyond the observed amax the range reaches (default 2): the first tokens' amax for
+            dynamic scales, the calibration text's for an artifact.
         sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
     """
 
@@ -142,6 +146,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         scale: str = "dynamic",
         *,
         scales=None,
+        calibration=None,
         headroom: float = 2.0,
         sink_tokens: int = 0,
         residual_length: int = 0,
@@ -154,7 +159,13 @@ class QuantizedFP8Cache(QuantizedKVCache):
         if not headroom >= 1.0:
             raise ValueError(f"headroom={headroom!r} must be >= 1")
         num_layers, kv_heads, _ = attention_shape(config)
-        per_layer = _calibrated_scales(scales, num_layers, kv_heads) if scale == "calibrated" else None
+        per_layer = None
+        if scale == "calibrated":
+            if scales is None:
+                from ..calibration import find
+
+                scales = find(config, calibration)
+            per_layer = _calibrated_scales(scales, num_layers, kv_heads, fmt, headroom)
         self.fmt, self.scale_mode = fmt, scale
 
         def policy(layer_idx: int) -> LayerPolicy:
