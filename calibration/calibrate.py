@@ -2,7 +2,7 @@
 
 Collection (`collect`): the text goes through the model in chunks (a fresh cache per chunk, so memory is bounded
 by the chunk). Keys before RoPE come from forward hooks on each attention module's `k_norm` (QK-norm models) or
-`k_proj`; keys after RoPE and values come from a recording cache, which sees exactly what a KV cache stores.
+`k_proj` (`hf_kvcache.patching.PreRopeKeys`); keys after RoPE and values come from a recording cache, which sees exactly what a KV cache stores.
 Per layer it keeps the per-kv-head max |K| and |V| over every token, and a random sample of at most
 `max_samples` token rows of each stream. With `weighting="fisher"` the loss of each chunk is backpropagated
 once and every sampled element keeps its squared gradient (the diagonal Fisher information of that activation).
@@ -25,46 +25,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from hf_kvcache import _compat
 from hf_kvcache.methods._common import attention_shape
+from hf_kvcache.patching import PreRopeKeys, _Recorder, attention_modules
 from hf_kvcache.quant import normalize_per_channel, normalize_per_token
 
 from .artifact import FORMAT_VERSION, METHOD, Calibration, fingerprint
 
 WEIGHTINGS = ("fisher", "none")
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's attention modules in layer order (modules with `k_proj` and `v_proj` projections); a
-    ValueError if they are not one per layer, naming what was found."""
-    found = [m for m in model.modules() if isinstance(getattr(m, "k_proj", None), nn.Module)
-             and isinstance(getattr(m, "v_proj", None), nn.Module)]
-    layers, _, _ = attention_shape(model.config)
-    if len(found) != layers:
-        raise ValueError(
-            f"the pre-RoPE key hook does not recognize this model's attention ({type(model).__name__}): it looks "
-            f"for modules with k_proj and v_proj projections, one per layer, and found {len(found)} for {layers} "
-            "layers"
-        )
-    return sorted(found, key=lambda m: getattr(m, "layer_idx", found.index(m)))
-
-
-class _Recorder(DynamicCache):
-    """A DynamicCache that also keeps every K/V it is given (after RoPE, as caches store them)."""
-
-    def __init__(self, config, keep_grad: bool):
-        super().__init__(config=config)
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.keep_grad = keep_grad
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.keep_grad and key_states.requires_grad:
-            key_states.retain_grad()
-            value_states.retain_grad()
-        self.seen[layer_idx] = (key_states, value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 @dataclass
@@ -96,7 +65,7 @@ def collect(
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"calibration takes one sequence of token ids (1, N), got shape {tuple(input_ids.shape)}")
     weighted = weighting == "fisher"
-    modules = attention_modules(model)
+    attention_modules(model)  # refuses a model whose attention the hooks would not recognize, before any work
     layers, kv_heads, head_dim = attention_shape(model.config)
     n_chunks = math.ceil(input_ids.shape[1] / chunk)
     per_chunk = max(1, math.ceil(max_samples / n_chunks))
@@ -107,20 +76,7 @@ def collect(
         acts.samples[name] = [[] for _ in range(layers)]
         acts.fisher[name] = [[] for _ in range(layers)]
 
-    pre_rope: dict[int, torch.Tensor] = {}
-
-    def hook(index):
-        def capture(module, args, output):
-            if weighted and output.requires_grad:
-                output.retain_grad()  # on the tensor the model goes on with, not on a view of it
-            pre_rope[index] = output  # (B, T, Hkv * D) from k_proj or (B, T, Hkv, D) from k_norm
-            return None
-        return capture
-
-    handles = []
-    for i, m in enumerate(modules):
-        target = m.k_norm if isinstance(getattr(m, "k_norm", None), nn.Module) else m.k_proj
-        handles.append(target.register_forward_hook(hook(i)))
+    hooks = PreRopeKeys(model, retain_grad=weighted)
     saved_grad = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -133,7 +89,7 @@ def collect(
             t = ids.shape[1]
             if t < 2:
                 continue
-            pre_rope.clear()
+            hooks.keys.clear()
             cache = _Recorder(model.config, keep_grad=weighted)
             with torch.set_grad_enabled(weighted):
                 emb = embed(ids)
@@ -146,15 +102,11 @@ def collect(
             pick = torch.randperm(t, generator=gen)[: min(per_chunk, t)].sort().values
             for i in range(layers):
                 k_post, v = cache.seen[i]  # (1, Hkv, T, D)
-                k_pre = pre_rope[i]
-                acts.k_amax[i] = torch.maximum(acts.k_amax[i], k_post.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
-                acts.v_amax[i] = torch.maximum(acts.v_amax[i], v.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
+                k_pre = hooks.keys[i]
                 for name, x in (("k_pre", k_pre), ("k_post", k_post), ("v", v)):
-                    tokens_first = name == "k_pre"
 
-                    def rows(t):  # (n, Hkv, D) of the picked tokens
-                        if tokens_first:
-                            return t[0, pick.to(t.device)].reshape(len(pick), kv_heads, head_dim)
+                    def rows(t, pre=name == "k_pre"):  # (n, Hkv, D) of the picked tokens
+                        t = hooks.as_bhtd(t, kv_heads, head_dim) if pre else t  # (1, Hkv, T, D)
                         return t[0, :, pick.to(t.device)].transpose(0, 1)
 
                     acts.samples[name][i].append(rows(x.detach()).float().cpu())
@@ -165,8 +117,7 @@ def collect(
             acts.tokens += t
             del cache, out
     finally:
-        for h in handles:
-            h.remove()
+        hooks.remove()
         for p, g in zip(model.parameters(), saved_grad):
             p.requires_grad_(g)
     for store in (acts.samples, acts.fisher):

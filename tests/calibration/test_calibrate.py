@@ -4,10 +4,10 @@ artifact's round trip on tiny models."""
 from __future__ import annotations
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_kvcache import calibration
 from hf_kvcache.calibration.calibrate import collect, weighted_kmeans_1d
+from hf_kvcache.patching import layer_ropes, rotate
 from tests.helpers.tiny_models import tiny_input_ids, tiny_model
 
 
@@ -16,19 +16,19 @@ def _ids(model, n=96):
 
 
 def test_keys_before_rope_rotate_into_the_keys_the_cache_stores():
-    """For every sampled token, RoPE (the model's own rotary embedding) applied to the captured pre-RoPE key gives
-    the post-RoPE key the cache received, on a QK-norm model (hook on k_norm) and a plain one (hook on k_proj)."""
-    for name in ("qwen3", "llama"):
+    """For every token, RoPE (the model's own rotary embedding, per layer) applied to the captured pre-RoPE key gives
+    the post-RoPE key the cache received: QK-norm on (B, T, H, D) (Qwen3), on (B, H, T, D) with per-layer-type
+    rotary (Gemma 3), and plain k_proj (Llama)."""
+    for name in ("qwen3", "gemma", "llama"):
         model = tiny_model(name)
-        ids = _ids(model, 64)
-        acts = collect(model, ids, chunk=64, max_samples=64, weighting="none", progress=False)
-        pos = torch.arange(64)[None]
-        cos, sin = model.model.rotary_emb(acts.samples["k_pre"][0][None], pos)  # the sample holds every token
+        acts = collect(model, _ids(model, 64), chunk=64, max_samples=64, weighting="none", progress=False)
+        ropes = layer_ropes(model)
         for layer in range(model.config.num_hidden_layers):
-            pre = acts.samples["k_pre"][layer].transpose(0, 1)[None]  # (1, Hkv, T, D)
+            cos, sin = ropes[layer].cos_sin(torch.arange(64)[None], acts.samples["k_pre"][layer].shape[-1])
+            pre = acts.samples["k_pre"][layer].transpose(0, 1)[None]  # (1, Hkv, T, D): the sample holds every token
             post = acts.samples["k_post"][layer].transpose(0, 1)[None]
-            rotated, _ = apply_rotary_pos_emb(pre, pre, cos, sin)
-            torch.testing.assert_close(rotated, post, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(rotate(pre, cos, sin), post, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(rotate(post, cos, sin, inverse=True), pre, atol=1e-5, rtol=1e-5)
             assert not torch.allclose(pre, post)
 
 

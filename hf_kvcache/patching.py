@@ -1,0 +1,193 @@
+"""Reversible looks inside a model: its attention modules, its keys before RoPE, and its rotary embedding.
+
+- `attention_modules(model)`: the attention modules in layer order (those with `k_proj` and `v_proj`).
+- `PreRopeKeys(model)`: forward hooks that capture each layer's keys before RoPE (the output of `k_norm` on
+  QK-norm models, else of `k_proj`), as a context manager with an explicit `remove()`; the model is unchanged
+  once they are removed.
+- `layer_ropes(model)`: for each layer, the rotary embedding module and call that produce the cos/sin its
+  attention rotates keys with (any `rope_type`: the model's own module computes them), found by one probe
+  forward pass with temporary hooks, which also checks that the stored keys are exactly the pre-RoPE keys
+  rotated in the rotate-half convention. A model for which that does not hold is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from . import _compat
+from .methods._common import attention_shape
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's attention modules in layer order (modules with `k_proj` and `v_proj` projections); a
+    ValueError if they are not one per layer, naming what was found."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "k_proj", None), nn.Module)
+             and isinstance(getattr(m, "v_proj", None), nn.Module)]
+    layers, _, _ = attention_shape(model.config)
+    if len(found) != layers:
+        raise ValueError(
+            f"the pre-RoPE key hook does not recognize this model's attention ({type(model).__name__}): it looks "
+            f"for modules with k_proj and v_proj projections, one per layer, and found {len(found)} for {layers} "
+            "layers"
+        )
+    return sorted(found, key=lambda m: getattr(m, "layer_idx", found.index(m)))
+
+
+class PreRopeKeys:
+    """Hooks that keep each layer's keys before RoPE from the last forward pass, as the model made them
+    (`keys[i]`; `as_bhtd` puts them in cache layout). With `retain_grad`, their gradients are kept too."""
+
+    def __init__(self, model: nn.Module, retain_grad: bool = False):
+        self.keys: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for i, module in enumerate(attention_modules(model)):
+            target = module.k_norm if isinstance(getattr(module, "k_norm", None), nn.Module) else module.k_proj
+            self._handles.append(target.register_forward_hook(self._capture(i, retain_grad)))
+
+    def _capture(self, index: int, retain_grad: bool):
+        def hook(module, args, output):
+            if retain_grad and output.requires_grad:
+                output.retain_grad()  # on the tensor the model goes on with, not on a view of it
+            self.keys[index] = output
+
+        return hook
+
+    def as_bhtd(self, x: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """A captured key tensor (or its gradient) as `(B, Hkv, T, D)`: `k_proj` gives `(B, T, Hkv*D)`; `k_norm`
+        runs on `(B, T, Hkv, D)` in some models (Qwen3) and on `(B, Hkv, T, D)` in others (Gemma 3)."""
+        if x.dim() == 3:
+            return x.view(*x.shape[:2], kv_heads, head_dim).transpose(1, 2)
+        if x.shape[1] == kv_heads and x.shape[2] != kv_heads:
+            return x
+        if x.shape[2] == kv_heads and x.shape[1] != kv_heads:
+            return x.transpose(1, 2)
+        raise ValueError(f"cannot tell heads from tokens in a captured key of shape {tuple(x.shape)} "
+                         f"({kv_heads} kv-heads): use a chunk length other than {kv_heads}")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> PreRopeKeys:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+class _Recorder(DynamicCache):
+    """A DynamicCache that also keeps every K/V it is given (after RoPE, as caches store them)."""
+
+    def __init__(self, config, keep_grad: bool = False):
+        super().__init__(config=config)
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.keep_grad = keep_grad
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.keep_grad and key_states.requires_grad:
+            key_states.retain_grad()
+            value_states.retain_grad()
+        self.seen[layer_idx] = (key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE in the rotate-half convention: `x (B, H, T, D)`, `cos`/`sin (B, T, D)`; `inverse` undoes it exactly
+    (up to rounding: the rotation is orthogonal)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos - rotate_half(x) * sin if inverse else x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class LayerRope:
+    """How one layer's cos/sin are made: `module(x, position_ids, *args, **kwargs)` -> `(cos, sin) (B, T, D)`
+    (Gemma 3's shared module takes the layer type as an extra argument)."""
+
+    module: nn.Module
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def cos_sin(self, positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 `(cos, sin) (B, T, D)` at integer `positions (B, T)`."""
+        probe = torch.zeros(1, 1, head_dim, device=positions.device, dtype=torch.float32)
+        cos, sin = self.module(probe, positions.long(), *self.args, **self.kwargs)
+        return cos.float(), sin.float()
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    return any(name.endswith("inv_freq") for name, _ in module.named_buffers(recurse=False))
+
+
+def layer_ropes(model: nn.Module, tokens: int = 12) -> list[LayerRope]:
+    """Each layer's `LayerRope`, from one probe forward pass (temporary hooks, removed before returning).
+
+    Raises a ValueError when the model's attention is not recognized, no rotary module produces a layer's cos/sin,
+    or the keys it stores are not its pre-RoPE keys rotated by them in the rotate-half convention (interleaved
+    or partial rotary embeddings): KVQuant's pre-RoPE storage could not reproduce them."""
+    modules = attention_modules(model)
+    _, kv_heads, head_dim = attention_shape(model.config)
+    rotaries = [m for m in model.modules() if _is_rotary(m)]
+    if not rotaries:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module (a module with an inv_freq "
+                         "buffer): pre-RoPE key storage needs one")
+    produced: list[tuple[tuple, LayerRope]] = []
+    received: dict[int, tuple] = {}
+    handles = []
+
+    def on_rotary(module, args, kwargs, output):
+        rest = {k: v for k, v in kwargs.items() if k not in ("x", "position_ids")}
+        produced.append((output, LayerRope(module, tuple(args[2:]), rest)))
+
+    def on_attention(index):
+        def hook(module, args, kwargs):
+            pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            received[index] = pe
+        return hook
+
+    for r in rotaries:
+        handles.append(r.register_forward_hook(on_rotary, with_kwargs=True))
+    for i, m in enumerate(modules):
+        handles.append(m.register_forward_pre_hook(on_attention(i), with_kwargs=True))
+    param = next(model.parameters())
+    device = param.device
+    rtol = 1e-4 if param.dtype == torch.float32 else 2e-2  # the model rotated in its own dtype
+    ids = torch.arange(tokens, device=device)[None] % _compat.text_config(model.config).vocab_size
+    try:
+        with PreRopeKeys(model) as pre, torch.no_grad():
+            cache = _Recorder(model.config)
+            model(input_ids=ids, use_cache=True, **{_compat.forward_parameters(type(model))[0]: cache})
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for i in range(len(modules)):
+        pe = received.get(i)
+        match = [rope for output, rope in produced if pe is not None and output[0] is pe[0]]
+        if not match:
+            raise ValueError(
+                f"layer {i}'s attention gets cos/sin that no rotary module of {type(model).__name__} produced: "
+                "KVQuant's pre-RoPE storage does not recognize this model's position embedding"
+            )
+        rope = match[0]
+        k_pre = pre.as_bhtd(pre.keys[i], kv_heads, head_dim).float()
+        k_post = cache.seen[i][0].float()
+        cos, sin = rope.cos_sin(torch.arange(tokens, device=device)[None], head_dim)
+        err = (rotate(k_pre, cos, sin) - k_post).abs().max().item()
+        if err > rtol * max(k_post.abs().max().item(), 1.0):
+            raise ValueError(
+                f"layer {i} stores keys that are not its pre-RoPE keys rotated in the rotate-half convention (max "
+                f"error {err:.2e}): interleaved or partial rotary embeddings are not supported by pre-RoPE storage; "
+                "use pre_rope=False"
+            )
+        out.append(rope)
+    return out
