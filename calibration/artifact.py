@@ -2,7 +2,9 @@
 artifacts"). Tensors, per layer `i` (Hkv = kv-heads, D = head_dim, b = bits):
 
 - `layers.{i}.k_amax`, `layers.{i}.v_amax` `(Hkv,)`: the largest |K| (after RoPE, as caches store it) and |V|
-  per kv-head over the calibration text; `Calibration.fp8_scales` turns them into FP8 scales.
+  per kv-head over the calibration text.
+- `layers.{i}.k_scale_e4m3`, `.v_scale_e4m3`, `.k_scale_e5m2`, `.v_scale_e5m2` `(Hkv,)`: fitted FP8 scales, the
+  candidate between amax/fp8_max and ~3.7x that with the least weighted round-trip error on the samples.
 - `layers.{i}.k_pre.lo`, `.hi` `(Hkv, D)`: per-channel key thresholds before RoPE at the outlier fraction (the
   fraction/2 and 1 - fraction/2 quantiles); `layers.{i}.k_post.lo`, `.hi`: the same after RoPE (the ablation).
 - `layers.{i}.k_pre.nuq{b}`, `layers.{i}.k_post.nuq{b}`, `layers.{i}.v.nuq{b}` `(2^b,)`: NUQ codebooks, sorted
@@ -27,7 +29,7 @@ from safetensors.torch import save_file
 
 from hf_kvcache import _compat
 from hf_kvcache.methods._common import attention_shape
-from hf_kvcache.quant import fp8_max
+from hf_kvcache.quant import FP8_FORMATS, fp8_max
 
 FORMAT_VERSION = 1
 METHOD = "hf-kvcache-calibration"
@@ -58,13 +60,16 @@ def fingerprint_differences(want: dict, have: dict) -> list[str]:
 
 
 def default_path(config) -> Path:
-    """Where `hf-kvcache calibrate` stores a model's artifact and where caches look for it: the user cache
-    folder (`hf_kvcache.models.cache_root()`), keyed by the model's fingerprint."""
+    """Where `hf-kvcache calibrate` stores a model's artifact and where caches look for it, keyed by the model's
+    fingerprint: in `$HF_KVCACHE_CALIBRATION` if set, else in `calibration/` of the user cache folder
+    (`hf_kvcache.models.cache_root()`)."""
     from hf_kvcache.models import cache_root
 
     fp = fingerprint(config)
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "calibration" / f"{fp['model_type']}-{digest}.safetensors"
+    folder = os.environ.get("HF_KVCACHE_CALIBRATION")
+    folder = Path(folder).expanduser() if folder else cache_root() / "calibration"
+    return folder / f"{fp['model_type']}-{digest}.safetensors"
 
 
 @dataclass
@@ -88,8 +93,12 @@ class Calibration:
         if diff:
             raise ValueError("the calibration was made for another model (" + "; ".join(diff) + "); " + RECALIBRATE)
 
-    def fp8_scales(self, layer: int, fmt: str = "e4m3", headroom: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-kv-head FP8 scales of layer `layer`: `(k_scale (Hkv,), v_scale (Hkv,))` = amax * headroom / max."""
+    def fp8_scales(self, layer: int, fmt: str = "e4m3", headroom: float | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-kv-head FP8 scales of layer `layer`: `(k_scale (Hkv,), v_scale (Hkv,))`, the fitted ones, or
+        `amax * headroom / fp8_max` when a headroom is given."""
+        if headroom is None:
+            return tuple(self.tensors[f"layers.{layer}.{s}_scale_{fmt}"].float() for s in ("k", "v"))
         top = fp8_max(fmt)
         k, v = (self.tensors[f"layers.{layer}.{s}_amax"].float() for s in ("k", "v"))
         tiny = torch.finfo(torch.float32).tiny
@@ -118,6 +127,8 @@ def _required(meta: dict) -> dict[str, tuple[int, ...]]:
     out = {}
     for i in range(fp["num_hidden_layers"]):
         out[f"layers.{i}.k_amax"] = out[f"layers.{i}.v_amax"] = (h,)
+        for fmt in FP8_FORMATS:
+            out[f"layers.{i}.k_scale_{fmt}"] = out[f"layers.{i}.v_scale_{fmt}"] = (h,)
         for place in ("k_pre", "k_post"):
             out[f"layers.{i}.{place}.lo"] = out[f"layers.{i}.{place}.hi"] = (h, d)
         for b in meta["bits"]:
@@ -204,7 +215,7 @@ def find(config, calibration: str | os.PathLike | Calibration | None = None) -> 
     return load(path, config)
 
 
-def export_vllm(cal: Calibration, path: str | os.PathLike, fmt: str = "e4m3", headroom: float = 1.0) -> Path:
+def export_vllm(cal: Calibration, path: str | os.PathLike, fmt: str = "e4m3", headroom: float | None = None) -> Path:
     """FP8 KV scales under the tensor names vLLM loads: `model.layers.{i}.self_attn.k_scale` / `.v_scale`, one
     float32 scalar per layer (vLLM's per-tensor scales: the largest of the layer's per-head scales)."""
     tensors = {}

@@ -7,7 +7,8 @@ Per layer it keeps the per-kv-head max |K| and |V| over every token, and a rando
 `max_samples` token rows of each stream. With `weighting="fisher"` the loss of each chunk is backpropagated
 once and every sampled element keeps its squared gradient (the diagonal Fisher information of that activation).
 
-Fitting (`fit`): per-channel key thresholds at the outlier fraction (quantiles), and for each bit width a NUQ
+Fitting (`fit`): per-kv-head FP8 scales (for each format, the candidate with the least weighted error),
+per-channel key thresholds at the outlier fraction (quantiles), and for each bit width a NUQ
 codebook per layer and stream by weighted 1-D k-means over the normalized inliers. The weight of a normalized
 value is its squared gradient times the square of its normalization scale: the codebook works on normalized
 values, but the loss sees errors in the activation's own units, and an error e in the normalized domain is an
@@ -29,7 +30,9 @@ from tqdm.auto import tqdm
 from hf_kvcache import _compat
 from hf_kvcache.methods._common import attention_shape
 from hf_kvcache.patching import PreRopeKeys, _Recorder, attention_modules
-from hf_kvcache.quant import normalize_per_channel, normalize_per_token
+from hf_kvcache.quant import (
+    FP8_FORMATS, dequantize_fp8, fp8_max, normalize_per_channel, normalize_per_token, quantize_fp8,
+)
 
 from .artifact import FORMAT_VERSION, METHOD, Calibration, fingerprint
 
@@ -103,6 +106,8 @@ def collect(
             for i in range(layers):
                 k_post, v = cache.seen[i]  # (1, Hkv, T, D)
                 k_pre = hooks.keys[i]
+                acts.k_amax[i] = torch.maximum(acts.k_amax[i], k_post.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
+                acts.v_amax[i] = torch.maximum(acts.v_amax[i], v.detach().abs().amax(dim=(0, 2, 3)).float().cpu())
                 for name, x in (("k_pre", k_pre), ("k_post", k_post), ("v", v)):
 
                     def rows(t, pre=name == "k_pre"):  # (n, Hkv, D) of the picked tokens
@@ -158,6 +163,29 @@ def _thresholds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.T
     return lo, hi
 
 
+# Candidate FP8 scales: amax / fp8_max times 2^(j / 8), j = 0..15 (headroom 1 to ~3.7x, 8 steps an octave).
+FP8_SCALE_STEPS = 16
+
+
+def fp8_scale_search(x: torch.Tensor, w: torch.Tensor, amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Per kv-head FP8 scale `(H,)` for samples `x (N, H, D)` with weights `w (N, H, D)`: among the candidates
+    (see `FP8_SCALE_STEPS`), the one with the least weighted squared error after the fp8 round trip (clamping
+    included). For a floating-point format a scale only shifts the grid within an octave and moves the ends of
+    the range, so this is what there is to fit."""
+    top = fp8_max(fmt)
+    best, best_err = None, None
+    for j in range(FP8_SCALE_STEPS):
+        scale = (amax * 2 ** (j / 8) / top).clamp_min(torch.finfo(torch.float32).tiny)  # (H,)
+        s = scale[None, :, None]
+        err = ((dequantize_fp8(quantize_fp8(x, fmt, s), fmt, s) - x).pow(2) * w).sum(dim=(0, 2))  # (H,)
+        if best is None:
+            best, best_err = scale.clone(), err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, scale, best), torch.where(better, err, best_err)
+    return best
+
+
 def fit(acts: Activations, *, bits=(2, 3, 4), outlier_fraction: float = 0.01, weighted: bool = True,
         progress: bool = True) -> dict[str, torch.Tensor]:
     """The artifact's tensors (see `artifact.py`) from collected activations."""
@@ -168,6 +196,12 @@ def fit(acts: Activations, *, bits=(2, 3, 4), outlier_fraction: float = 0.01, we
     for i in tqdm(range(layers), desc="fitting codebooks", unit="layer", disable=not progress):
         tensors[f"layers.{i}.k_amax"] = acts.k_amax[i]
         tensors[f"layers.{i}.v_amax"] = acts.v_amax[i]
+        for stream, name in (("k", "k_post"), ("v", "v")):
+            x = acts.samples[name][i]
+            w = acts.fisher[name][i] if weighted else torch.ones_like(x)
+            amax = acts.k_amax[i] if stream == "k" else acts.v_amax[i]
+            for fmt in FP8_FORMATS:
+                tensors[f"layers.{i}.{stream}_scale_{fmt}"] = fp8_scale_search(x, w, amax, fmt)
         for name in ("k_pre", "k_post", "v"):
             x = acts.samples[name][i]  # (N, H, D)
             fisher = acts.fisher[name][i] if weighted else torch.ones_like(x)

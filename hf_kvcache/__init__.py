@@ -9,6 +9,7 @@ from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVCache, QuantizedKVLa
 from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
+from .methods.kvquant import KVQuantCache
 from .models import DEFAULT_MODEL, load_model
 from .presets import PRESETS, describe, make_cache
 
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "KIVICache",
     "KVHandle",
+    "KVQuantCache",
     "LayerPolicy",
     "PRESETS",
     "QuantizedFP8Cache",

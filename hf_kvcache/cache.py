@@ -69,10 +69,11 @@ class Codec(ABC):
         several tokens (a per-channel range, a per-head amax) must ignore the others. None: all valid.
         """
 
-    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor], **kwargs) -> None:
         """Like `encode`, writing the fields into `out` (views of the storage's next rows). Codecs with a pack
-        kernel override this to write in place; the default encodes and copies."""
-        for name, value in self.encode(x, valid).items():
+        kernel override this to write in place; the default encodes and copies. A codec with
+        `needs_positions = True` also gets `positions (B, T)`, the tokens' RoPE positions, as a keyword."""
+        for name, value in self.encode(x, valid, **kwargs).items():
             out[name].copy_(value)
 
     @abstractmethod
@@ -266,17 +267,22 @@ class _Stream:
             return
         x = self.residual.slice(0, n)["x"]
         valid = None
+        start = self.first_position + self.n_sink + self.n_packed
+        index = torch.arange(start, start + n, device=x.device)  # the tokens' indices in the sequence
         if pad_lengths is not None:
-            start = self.first_position + self.n_sink + self.n_packed
-            positions = torch.arange(start, start + n, device=x.device)
-            valid = positions.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
+            valid = index.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
+        extra = {}
+        if getattr(self.codec, "needs_positions", False):
+            # RoPE positions, as `generate` numbers them: index minus the row's left padding (padding at 0)
+            pads = pad_lengths.to(x.device).unsqueeze(1) if pad_lengths is not None else 0
+            extra["positions"] = (index.unsqueeze(0) - pads).clamp_min(0).expand(x.shape[0], n)  # (B, n)
         rows = n // self.codec.block_size
         out = self.packed.reserve(rows)
         if out is None:
-            self.packed.append(self.codec.encode(x, valid))
+            self.packed.append(self.codec.encode(x, valid, **extra))
         else:
             try:
-                self.codec.encode_into(x, valid, out)
+                self.codec.encode_into(x, valid, out, **extra)
             except BaseException:
                 self.packed.drop_back(rows)  # a failed encode leaves the stored tokens as they were
                 raise

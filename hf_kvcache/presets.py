@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
+from .methods.kvquant import KVQuantCache
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Preset:
     build: Callable
     kwargs: dict = field(default_factory=dict)
     description: str = ""
+    needs_model: bool = False  # `build` takes the model itself (hooks, rotary embedding), not its config
 
 
 def _dynamic(config, **kwargs):
@@ -55,6 +57,12 @@ PRESETS: dict[str, Preset] = {
         "KIVI 2-bit, groups of 32, last 128 tokens exact, + 4 sink tokens and least-squares key ranges",
     ),
 }
+for _bits, _what in ((4, "4-bit"), (3, "3-bit"), (2, "2-bit")):
+    PRESETS[f"kvquant-{_bits}"] = Preset(
+        KVQuantCache.from_model, {"bits": _bits},
+        f"KVQuant {_what}: calibrated NUQ codebooks, keys per channel before RoPE, values per token, 1% outliers "
+        "in sparse slots, 1 sink token (needs `hf-kvcache calibrate`)", needs_model=True,
+    )
 
 
 def _parse_value(text: str):
@@ -90,9 +98,11 @@ def make_cache(spec: str, model, **kwargs):
     name, overrides = parse_spec(spec)
     preset = PRESETS[name]
     config = getattr(model, "config", model)
+    if preset.needs_model and config is model:
+        raise ValueError(f"spec {spec!r} needs the model itself (make_cache({spec!r}, model)), not its config")
     merged = {**preset.kwargs, **overrides, **kwargs}
     try:
-        return preset.build(config, **merged)
+        return preset.build(model if preset.needs_model else config, **merged)
     except TypeError as e:
         raise ValueError(f"spec {spec!r}: {e}") from e
 

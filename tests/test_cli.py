@@ -191,3 +191,28 @@ def test_bench_counts_a_transformers_cache_by_the_bytes_it_holds():
     p = torch.Tensor._make_subclass(Packed, torch.zeros(8, 8))
     p._data = torch.zeros(8, dtype=torch.uint8)
     assert _tensor_bytes(p) == 8
+
+
+@pytest.mark.slow
+def test_calibrate_on_the_default_model_writes_a_loadable_artifact(tmp_path, capsys):
+    """`hf-kvcache calibrate` end to end (few tokens): the artifact loads against the model it was made for."""
+    from hf_kvcache import calibration
+    from hf_kvcache.models import load_model
+
+    out = tmp_path / "cal.safetensors"
+    vllm = tmp_path / "vllm.safetensors"
+    status = cli.main(["calibrate", "--tokens", "96", "--chunk", "48", "--bits", "2", "--no-progress",
+                       "--out", str(out), "--vllm-out", str(vllm)])
+    assert status == 0
+    model, _ = load_model()
+    cal = calibration.load(out, model.config)
+    assert cal.metadata["tokens"] == 96 and cal.metadata["bits"] == [2] and vllm.is_file()
+    assert "dev corpus" in cal.metadata["text"] and str(out) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [(["calibrate", "--bits", "2,x"], "--bits"),
+                                          (["calibrate", "--chunk", "1"], "--chunk"),
+                                          (["calibrate", "--bits", "9"], "bits=")])
+def test_calibrate_usage_errors_exit_2(capsys, argv, message):
+    assert cli.main(argv + ["--no-progress", "--tokens", "16"]) == 2
+    assert message in capsys.readouterr().err

@@ -7,8 +7,9 @@ Scale modes:
   the format's maximum (never NaN). The headroom (default 2) keeps later, larger tokens in range; E4M3's
   normal range spans 2^15, so it costs no precision on small values;
 - `calibrated`: per-layer, per-kv-head scales computed offline: the artifact of `hf-kvcache calibrate` (found
-  by the model's fingerprint, or `calibration=PATH`), whose per-head amax becomes `amax * headroom / fp8_max`,
-  or explicit `scales={"k_scale": (L, Hkv), "v_scale": (L, Hkv)}` tensors, used as given.
+  by the model's fingerprint, or `calibration=PATH`), whose fitted scales are used (or `amax * headroom /
+  fp8_max` when `headroom` is given), or explicit `scales={"k_scale": (L, Hkv), "v_scale": (L, Hkv)}` tensors,
+  used as given.
 
 One byte per element plus a negligible per-head scale: 0.5 of a 16-bit cache.
 """
@@ -100,7 +101,7 @@ class FP8Codec(Codec):
         return dequantize_fp8(codes, self.fmt, scale, dtype)
 
 
-def _calibrated_scales(scales, num_layers: int, kv_heads: int, fmt: str, headroom: float
+def _calibrated_scales(scales, num_layers: int, kv_heads: int, fmt: str, headroom: float | None
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer `(k_scale (Hkv,), v_scale (Hkv,))` from a mapping of `(L, Hkv)` tensors or a calibration object."""
     if scales is None:
@@ -134,8 +135,9 @@ class QuantizedFP8Cache(QuantizedKVCache):
         scales: explicit calibrated per-layer per-kv-head scales, see the module docstring.
         calibration: for `scale="calibrated"`, a `Calibration` or the path of an artifact; default: the one
             `hf-kvcache calibrate` stored for this model.
-        headroom: how far beyond the observed amax the range reaches (default 2): the first tokens' amax for
-            dynamic scales, the calibration text's for an artifact.
+        headroom: how far beyond the observed amax the range reaches: the first tokens' amax for dynamic
+            scales (default 2); for an artifact, None (default) takes its fitted scales and a number
+            `amax * headroom / fp8_max`.
         sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
     """
 
@@ -147,7 +149,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         *,
         scales=None,
         calibration=None,
-        headroom: float = 2.0,
+        headroom: float | None = None,
         sink_tokens: int = 0,
         residual_length: int = 0,
     ):
@@ -156,7 +158,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         check_choice("scale", scale, SCALE_MODES, "'calibrated' needs scales from a calibration.")
         check_nonnegative_int("sink_tokens", sink_tokens)
         check_nonnegative_int("residual_length", residual_length)
-        if not headroom >= 1.0:
+        if headroom is not None and not headroom >= 1.0:
             raise ValueError(f"headroom={headroom!r} must be >= 1")
         num_layers, kv_heads, _ = attention_shape(config)
         per_layer = None
@@ -171,8 +173,8 @@ class QuantizedFP8Cache(QuantizedKVCache):
         def policy(layer_idx: int) -> LayerPolicy:
             k, v = per_layer[layer_idx] if per_layer is not None else (None, None)
             return LayerPolicy(
-                key_codec=FP8Codec(fmt, scale, k, headroom),
-                value_codec=FP8Codec(fmt, scale, v, headroom),
+                key_codec=FP8Codec(fmt, scale, k, 2.0 if headroom is None else headroom),
+                value_codec=FP8Codec(fmt, scale, v, 2.0 if headroom is None else headroom),
                 sink_tokens=sink_tokens,
                 key_residual_length=residual_length,
                 value_residual_length=residual_length,

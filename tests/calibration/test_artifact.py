@@ -80,7 +80,7 @@ def test_a_bit_width_that_was_not_calibrated_names_the_command(artifact):
 
 
 def test_fp8_calibrated_finds_the_stored_artifact(artifact, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_KVCACHE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_KVCACHE_CALIBRATION", str(tmp_path / "calibration"))
     model = tiny_model("llama")
     with pytest.raises(FileNotFoundError, match="hf-kvcache calibrate"):
         make_cache("fp8-e4m3:scale=calibrated", model)
@@ -92,8 +92,11 @@ def test_fp8_calibrated_finds_the_stored_artifact(artifact, tmp_path, monkeypatc
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                          **_compat.cache_kwargs(cache))
     assert out.shape == (2, 20)
-    k = calibration.load(artifact).fp8_scales(0, "e4m3", headroom=2.0)[0]
+    k = calibration.load(artifact).fp8_scales(0, "e4m3")[0]  # the fitted scales, by default
     torch.testing.assert_close(cache.layers[0].key_stream.codec.fixed_scale.flatten(), k)
+    wide = make_cache("fp8-e4m3:scale=calibrated,headroom=3.0", model)
+    torch.testing.assert_close(wide.layers[0].key_stream.codec.fixed_scale.flatten(),
+                               calibration.load(artifact).tensors["layers.0.k_amax"] * 3.0 / 448)
     with pytest.raises(ValueError, match="another model"):
         make_cache("fp8-e4m3:scale=calibrated", tiny_model("mqa"), calibration=str(artifact))
 

@@ -22,6 +22,9 @@ def test_keys_before_rope_rotate_into_the_keys_the_cache_stores():
     for name in ("qwen3", "gemma", "llama"):
         model = tiny_model(name)
         acts = collect(model, _ids(model, 64), chunk=64, max_samples=64, weighting="none", progress=False)
+        for layer in range(model.config.num_hidden_layers):  # every token is sampled: amax is the samples' max
+            for amax, name in ((acts.k_amax, "k_post"), (acts.v_amax, "v")):
+                torch.testing.assert_close(amax[layer], acts.samples[name][layer].abs().amax(dim=(0, 2)))
         ropes = layer_ropes(model)
         for layer in range(model.config.num_hidden_layers):
             cos, sin = ropes[layer].cos_sin(torch.arange(64)[None], acts.samples["k_pre"][layer].shape[-1])
@@ -88,9 +91,29 @@ def test_calibrate_save_load_round_trip_and_fp8_scales(tmp_path):
         assert cb.shape == (8,) and (cb[1:] >= cb[:-1]).all() and cb.abs().max() <= 1
         lo, hi = back.key_range(layer)
         assert (lo <= hi).all() and lo.shape == (2, 128)
-        k, v = back.fp8_scales(layer, "e4m3")
+        k, v = back.fp8_scales(layer, "e4m3", headroom=1.0)
         torch.testing.assert_close(k * 448, back.tensors[f"layers.{layer}.k_amax"])
-        assert (k > 0).all() and (v > 0).all()
+        fitted = back.fp8_scales(layer, "e5m2")[1]
+        ratio = fitted * 57344 / back.tensors[f"layers.{layer}.v_amax"]
+        assert (ratio >= 1 - 1e-6).all() and (ratio < 4).all(), ratio
+
+
+def test_fitted_fp8_scale_is_the_least_weighted_error_among_the_candidates():
+    from hf_kvcache.calibration.calibrate import FP8_SCALE_STEPS, fp8_scale_search
+    from hf_kvcache.quant import dequantize_fp8, quantize_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 2, 16, generator=gen) * torch.tensor([0.01, 30.0])[None, :, None]
+    w = torch.rand(x.shape, generator=gen)
+    amax = x.abs().amax(dim=(0, 2))
+    best = fp8_scale_search(x, w, amax, "e5m2")
+
+    def err(scale):
+        s = scale[None, :, None]
+        return ((dequantize_fp8(quantize_fp8(x, "e5m2", s), "e5m2", s) - x).pow(2) * w).sum(dim=(0, 2))
+
+    for j in range(FP8_SCALE_STEPS):
+        assert (err(best) <= err(amax * 2 ** (j / 8) / 57344) + 1e-12).all()
 
 
 def test_vllm_export_names(tmp_path):

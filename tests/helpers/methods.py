@@ -11,6 +11,9 @@ METHODS: list[tuple[str, dict, dict]] = [
     ("int2-g32", {}, {"sink_tokens": 4}),
     ("kivi-4", {"residual_length": 32}, {"residual_length": 64, "sink_tokens": 2}),
     ("kivi-2", {"residual_length": 32}, {"residual_length": 32, "sink_tokens": 3}),
+    ("kvquant-3", {}, {"sink_tokens": 3, "outlier_fraction": 0.05}),
 ]
 
 SPECS = [spec for spec, _, _ in METHODS]
+# Methods the Triton kernels read (KVQuant's pre-RoPE NUQ keys use the reference path for now).
+KERNEL_METHODS = [m for m in METHODS if not m[0].startswith("kvquant")]

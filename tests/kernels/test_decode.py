@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from hf_kvcache import kernels, make_cache
 from hf_kvcache.attention import fused_attention, reference_attention
 from hf_kvcache.kernels.decode import _plane
-from tests.helpers.methods import METHODS
+from tests.helpers.methods import KERNEL_METHODS as METHODS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
