@@ -2,14 +2,14 @@
 
 Collection (`collect`): the text goes through the model in chunks (a fresh cache per chunk, so memory is bounded
 by the chunk). Keys before RoPE come from forward hooks on each attention module's `k_norm` (QK-norm models) or
-`k_proj` (`hf_kvcache.patching.PreRopeKeys`); keys after RoPE and values come from a recording cache, which sees exactly what a KV cache stores.
-Per layer it keeps the per-kv-head max |K| and |V| over every token, and a random sample of at most
-`max_samples` token rows of each stream. With `weighting="fisher"` the loss of each chunk is backpropagated
+`k_proj` (`hf_kvcache.patching.PreRopeKeys`); keys after RoPE and values come from a recording cache, which sees
+exactly what a KV cache stores. Per layer it keeps the per-kv-head max |K| and |V| over every token, and a random
+sample of at most `max_samples` token rows of each stream. With `weighting="fisher"` the loss of each chunk is backpropagated
 once and every sampled element keeps its squared gradient (the diagonal Fisher information of that activation).
 
 Fitting (`fit`): per-kv-head FP8 scales (for each format, the candidate with the least weighted error),
-per-channel key thresholds at the outlier fraction (quantiles), and for each bit width a NUQ
-codebook per layer and stream by weighted 1-D k-means over the normalized inliers. The weight of a normalized
+per-channel key thresholds at the outlier fraction (quantiles), and for each bit width a NUQ codebook per layer
+and stream by weighted 1-D k-means over the normalized inliers. The weight of a normalized
 value is its squared gradient times the square of its normalization scale: the codebook works on normalized
 values, but the loss sees errors in the activation's own units, and an error e in the normalized domain is an
 error e * scale there. KVQuant's appendix derives its weights with that squared scale; its released code
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from hf_kvcache import _compat
 from hf_kvcache.methods._common import attention_shape
-from hf_kvcache.patching import PreRopeKeys, _Recorder, attention_modules
+from hf_kvcache.patching import PreRopeKeys, RecordingCache, attention_modules
 from hf_kvcache.quant import (
     FP8_FORMATS, dequantize_fp8, fp8_max, normalize_per_channel, normalize_per_token, quantize_fp8,
 )
@@ -93,7 +93,7 @@ def collect(
             if t < 2:
                 continue
             hooks.keys.clear()
-            cache = _Recorder(model.config, keep_grad=weighted)
+            cache = RecordingCache(model.config, keep_grad=weighted)
             with torch.set_grad_enabled(weighted):
                 emb = embed(ids)
                 if weighted:

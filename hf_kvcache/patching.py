@@ -80,7 +80,7 @@ class PreRopeKeys:
         self.remove()
 
 
-class _Recorder(DynamicCache):
+class RecordingCache(DynamicCache):
     """A DynamicCache that also keeps every K/V it is given (after RoPE, as caches store them)."""
 
     def __init__(self, config, keep_grad: bool = False):
@@ -164,7 +164,7 @@ def layer_ropes(model: nn.Module, tokens: int = 12) -> list[LayerRope]:
     ids = torch.arange(tokens, device=device)[None] % _compat.text_config(model.config).vocab_size
     try:
         with PreRopeKeys(model) as pre, torch.no_grad():
-            cache = _Recorder(model.config)
+            cache = RecordingCache(model.config)
             model(input_ids=ids, use_cache=True, **{_compat.forward_parameters(type(model))[0]: cache})
     finally:
         for h in handles:

@@ -343,7 +343,7 @@ def _attn_fwd(
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n  # packed token indices (BLOCK_N,)
             k0, k1, k2, k3, kz_t = ka0, ka1, ka2, ka3, kzr
-            v0, v1, v2, v3, vz_t = va0, va1, va2, va3, vzr
+            v0, vz_t = va0, vzr  # values use one scale per token row (or the group tile): a0 only
             nxt = tl.minimum(tile + 1, hi - 1)
             ka0, ka1, ka2, ka3, kzr = _side(ksc, kz, nxt, sksc_t, sksc_c, BLOCK_N, D, K_FMT, K_BITS, K_TOKG, K_CHG,
                                             K_SYM, K_PLANES)

@@ -136,7 +136,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         calibration: for `scale="calibrated"`, a `Calibration` or the path of an artifact; default: the one
             `hf-kvcache calibrate` stored for this model.
         headroom: how far beyond the observed amax the range reaches: the first tokens' amax for dynamic
-            scales (default 2); for an artifact, None (default) takes its fitted scales and a number
+            scales (default 2); for an artifact, None (default) takes its fitted scales, and a number gives
             `amax * headroom / fp8_max`.
         sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
     """
