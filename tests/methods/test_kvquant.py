@@ -127,3 +127,24 @@ def test_from_model_leaves_no_hooks():
     model = tiny_model("gemma")
     KVQuantCache.from_model(model, bits=3)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_rotary_convention_other_than_rotate_half_is_refused(monkeypatch):
+    """Interleaved RoPE (pairs of neighbouring channels): the probe sees that the stored keys are not the pre-RoPE
+    keys rotated the rotate-half way, and refuses, naming the way out."""
+    from transformers.models.llama import modeling_llama
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rot(x):
+            pairs = x.view(*x.shape[:-1], -1, 2)
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+
+        c = cos.unsqueeze(unsqueeze_dim).view(*cos.unsqueeze(unsqueeze_dim).shape[:-1], 2, -1).transpose(-1, -2)
+        s = sin.unsqueeze(unsqueeze_dim).view(*sin.unsqueeze(unsqueeze_dim).shape[:-1], 2, -1).transpose(-1, -2)
+        c, s = c.flatten(-2), s.flatten(-2)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved)
+    with pytest.raises(ValueError, match="rotate-half convention.*pre_rope=False"):
+        make_cache("kvquant-3", tiny_model("llama"))
+    make_cache("kvquant-3:pre_rope=false", tiny_model("llama"))  # the post-RoPE ablation needs no probe
