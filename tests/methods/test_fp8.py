@@ -71,7 +71,6 @@ def test_bytes_per_token_is_half():
     [
         (dict(fmt="e3m4"), "fmt='e3m4'"),
         (dict(scale="per-token"), "scale='per-token'"),
-        (dict(scale="calibrated"), "scale='calibrated' needs per-head scales"),
         (dict(scale="calibrated", scales={"k_scale": torch.ones(3, 4), "v_scale": torch.ones(3, 4)}), "another model"),
         (dict(scale="calibrated", scales={"k_scale": -torch.ones(3, 2), "v_scale": torch.ones(3, 2)}), "positive"),
         (dict(headroom=0.5), "headroom"),
@@ -80,3 +79,9 @@ def test_bytes_per_token_is_half():
 def test_bad_parameters_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QuantizedFP8Cache(LLAMA, **kwargs)
+
+
+def test_calibrated_without_an_artifact_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_KVCACHE_CALIBRATION", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="hf-kvcache calibrate"):
+        QuantizedFP8Cache(LLAMA, scale="calibrated")
