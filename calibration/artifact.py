@@ -156,9 +156,13 @@ def validate(cal: Calibration) -> None:
     for name, shape in _required(meta).items():
         t = cal.tensors.get(name)
         if t is None:
-            raise ValueError(f"calibration misses tensor {name!r} (truncated or written by another tool); {RECALIBRATE}")
+            raise ValueError(
+                f"calibration misses tensor {name!r} (truncated or written by another tool); {RECALIBRATE}"
+            )
         if tuple(t.shape) != shape:
-            raise ValueError(f"calibration tensor {name!r} has shape {tuple(t.shape)}, expected {shape}; {RECALIBRATE}")
+            raise ValueError(
+                f"calibration tensor {name!r} has shape {tuple(t.shape)}, expected {shape}; {RECALIBRATE}"
+            )
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"calibration tensor {name!r} holds NaN or inf; {RECALIBRATE}")
         if ".nuq" in name and t.numel() > 1 and not bool((t[1:] >= t[:-1]).all()):

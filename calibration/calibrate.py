@@ -4,8 +4,9 @@ Collection (`collect`): the text goes through the model in chunks (a fresh cache
 by the chunk). Keys before RoPE come from forward hooks on each attention module's `k_norm` (QK-norm models) or
 `k_proj` (`hf_kvcache.patching.PreRopeKeys`); keys after RoPE and values come from a recording cache, which sees
 exactly what a KV cache stores. Per layer it keeps the per-kv-head max |K| and |V| over every token, and a random
-sample of at most `max_samples` token rows of each stream. With `weighting="fisher"` the loss of each chunk is backpropagated
-once and every sampled element keeps its squared gradient (the diagonal Fisher information of that activation).
+sample of at most `max_samples` token rows of each stream. With `weighting="fisher"` the loss of each chunk is
+backpropagated once and every sampled element keeps its squared gradient (the diagonal Fisher information of that
+activation).
 
 Fitting (`fit`): per-kv-head FP8 scales (for each format, the candidate with the least weighted error),
 per-channel key thresholds at the outlier fraction (quantiles), and for each bit width a NUQ codebook per layer

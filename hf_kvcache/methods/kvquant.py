@@ -17,7 +17,7 @@ et al., NeurIPS 2024, arXiv:2401.18079).
 Positions: a token's RoPE position is its index in the cache minus its row's left padding (what `generate`
 passes as position ids). Fields per token and kv-head, head_dim D, b bits, s slots: `codes D*b/8` bytes, `out_idx s`
 bytes, `out_val 2s` bytes; values add fp16 `lo`/`hi` (4 bytes); keys add the token's position (4 bytes, int32,
-shared by the kv-heads). At D=64, 3 bits, 1%: 0.23 (keys) and 0.26 (values) of a 16-bit cache.
+shared by the kv-heads). At D=64, 3 bits, 1%, 3 kv-heads: 0.22 (keys) and 0.24 (values) of a 16-bit cache.
 """
 
 from __future__ import annotations
