@@ -176,6 +176,9 @@ def run_eval(
     for spec in methods:
         factory = factories[spec]
         entry = {"spec": spec, "description": descriptions[spec]}
+        calibrated = getattr(factory(), "calibration", None)
+        if calibrated is not None:  # which artifact a calibrated method read: its metadata, in the results
+            entry["calibration"] = calibrated.metadata
         common = {"context": cfg.context, "windows": cfg.windows, "skip": cfg.skip, "progress": cfg.progress}
         if "stream" in protocols:
             entry["stream"] = perplexity.streaming_perplexity(

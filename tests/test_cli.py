@@ -118,6 +118,19 @@ def test_run_eval_writes_a_results_dir(tmp_path, tiny):
     assert "| `int2-g32` |" in (path / "table.md").read_text()
 
 
+def test_run_eval_records_the_calibration_a_method_read(tmp_path, tiny):
+    """Calibrated methods (conftest's artifacts for the tiny configs) write the artifact's metadata into the
+    results; uncalibrated ones write none."""
+    model, tokenizer = tiny
+    cfg = tiny_config(methods=("kvquant-3", "fp8-e4m3:scale=calibrated", "int8"), protocol="paper", passkey=False)
+    _, metrics = run_eval(cfg, out=str(tmp_path), model=model, tokenizer=tokenizer)
+    by_spec = {m["spec"]: m for m in metrics["methods"]}
+    for spec in ("kvquant-3", "fp8-e4m3:scale=calibrated"):
+        meta = by_spec[spec]["calibration"]
+        assert meta["fingerprint"]["model_type"] == "llama" and meta["tokens"] == 96
+    assert "calibration" not in by_spec["int8"] and "calibration" not in by_spec["none"]
+
+
 def test_run_eval_memory_without_streaming(tmp_path, tiny):
     pytest.importorskip("hf_kvcache.presets")
     model, tokenizer = tiny

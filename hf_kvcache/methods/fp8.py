@@ -169,6 +169,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
                 scales = find(config, calibration)
             per_layer = _calibrated_scales(scales, num_layers, kv_heads, fmt, headroom)
         self.fmt, self.scale_mode = fmt, scale
+        self.calibration = scales if hasattr(scales, "metadata") else None  # the artifact read, if any
 
         def policy(layer_idx: int) -> LayerPolicy:
             k, v = per_layer[layer_idx] if per_layer is not None else (None, None)
