@@ -267,12 +267,14 @@ class _Stream:
             return
         x = self.residual.slice(0, n)["x"]
         valid = None
-        start = self.first_position + self.n_sink + self.n_packed
-        index = torch.arange(start, start + n, device=x.device)  # the tokens' indices in the sequence
+        extra = {}
+        needs_positions = getattr(self.codec, "needs_positions", False)
+        if pad_lengths is not None or needs_positions:
+            start = self.first_position + self.n_sink + self.n_packed
+            index = torch.arange(start, start + n, device=x.device)  # the tokens' indices in the sequence
         if pad_lengths is not None:
             valid = index.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
-        extra = {}
-        if getattr(self.codec, "needs_positions", False):
+        if needs_positions:
             # RoPE positions, as `generate` numbers them: index minus the row's left padding (padding at 0)
             pads = pad_lengths.to(x.device).unsqueeze(1) if pad_lengths is not None else 0
             extra["positions"] = (index.unsqueeze(0) - pads).clamp_min(0).expand(x.shape[0], n)  # (B, n)

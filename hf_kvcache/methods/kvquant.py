@@ -28,7 +28,7 @@ import torch
 
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..patching import LayerRope, layer_ropes, rotate
-from ..quant import nuq_dequantize, nuq_quantize, pack_bits, round_fp16, unpack_bits
+from ..quant import nuq_dequantize, nuq_quantize, normalize_per_channel, pack_bits, round_fp16, unpack_bits
 from ._common import attention_shape, check_choice, check_nonnegative_int
 
 KVQUANT_BITS = (2, 3, 4)
@@ -36,6 +36,11 @@ KVQUANT_BITS = (2, 3, 4)
 
 def _outlier_slots(fraction: float, head_dim: int) -> int:
     return math.ceil(fraction * head_dim - 1e-9)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim % 8 or head_dim > 256:  # slot indices are uint8
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (packed codes) and at most 256")
 
 
 def _scatter_outliers(x: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
@@ -61,8 +66,7 @@ class KVQuantKeyCodec(Codec):
         self.lo, self.hi = lo.float(), hi.float()  # (Hkv, D) calibrated thresholds
 
     def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % 8 or head_dim > 256:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (packed codes) and at most 256")
+        _check_head_dim(head_dim)
 
     def _ranges(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lo.device != device:
@@ -78,8 +82,7 @@ class KVQuantKeyCodec(Codec):
             x = rotate(x, cos, sin, inverse=True)  # (B, H, T, D) before RoPE
             fields["pos"] = positions.to(torch.int32)[:, None]
         lo, hi = self._ranges(x.device)
-        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
-        codes = nuq_quantize(((x - mid) / half).clamp(-1, 1), self.codebook)
+        codes = nuq_quantize(normalize_per_channel(x, lo, hi)[0], self.codebook)
         fields["codes"] = pack_bits(codes, self.bits)
         distance = (x - hi).clamp_min(0) + (lo - x).clamp_min(0)
         top = distance.topk(self.slots, dim=-1)
@@ -108,8 +111,7 @@ class KVQuantValueCodec(Codec):
         self.bits, self.codebook, self.slots = bits, codebook.float(), slots
 
     def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % 8 or head_dim > 256:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (packed codes) and at most 256")
+        _check_head_dim(head_dim)
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = x.float()
