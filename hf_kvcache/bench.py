@@ -33,7 +33,7 @@ LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
 )
-KERNEL_SPECS = ("fp8-e4m3", "int8", "int4-g32", "int4-g128", "kivi-4", "int2-g32", "kivi-2")
+KERNEL_SPECS = ("fp8-e4m3", "int8", "int4-g32", "int4-g128", "kivi-4", "int2-g32", "kivi-2", "kvquant-3")
 
 
 @dataclass
@@ -117,10 +117,43 @@ def _sdpa_decode(q, k, v):
     raise RuntimeError("neither the flash nor the efficient SDPA backend takes a GQA decode call here")
 
 
+_CALIBRATED: dict = {}
+
+
+def _calibrated(model):
+    """`model`'s calibration on 2048 random tokens, made once: the benchmarks' models have random weights, and the
+    presets that need one (KVQuant's ranges and codebooks) must find one."""
+    if id(model) not in _CALIBRATED:
+        from .calibration import calibrate
+
+        ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(1))
+        _CALIBRATED[id(model)] = (model, calibrate(model, ids, chunk=1024, progress=False))
+    return _CALIBRATED[id(model)][1]
+
+
+def _needs_model(spec: str) -> bool:
+    from .presets import PRESETS, parse_spec
+
+    return PRESETS[parse_spec(spec)[0]].needs_model
+
+
+def _make_layer_cache(spec: str, config):
+    """A cache of `spec` for the one-layer 8B shape; a preset that needs the model gets a one-layer model with
+    random weights (built once) and its calibration."""
+    if not _needs_model(spec):
+        return make_cache(spec, config)
+    if "model" not in _CALIBRATED:
+        _CALIBRATED["model"] = _random_model(1)
+        _set_attention(_CALIBRATED["model"], "hf_kvcache")
+    model = _CALIBRATED["model"]
+    return make_cache(spec, model, calibration=_calibrated(model))
+
+
 def _filled_layer(spec: str, k: torch.Tensor, v: torch.Tensor, config):
     """A one-layer cache of `spec` holding `k, v (B, Hkv, S, D)` plus one decode token; returns the cache and the
     handles of that step."""
-    cache = make_cache(spec, config)
+    cache = _make_layer_cache(spec, config)
     layer = cache.layers[0]
     layer.fused = True
     layer.update(k, v)
@@ -207,10 +240,12 @@ def sweep_part(cfg: BenchConfig, log=print) -> list[dict]:
     rows = []
     for spec in cfg.methods:
         cache, (kh, vh) = _filled_layer(spec, k, v, config)
-        per_channel_keys = cache.layers[0].key_stream.codec.packed_format().token_group > 1
-        for block_n in (64,) if per_channel_keys else (32, 64, 128):  # per-channel keys: a tile is a block
-            for warps, stages in ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4)):
-                ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages)
+        fmt = cache.layers[0].key_stream.codec.packed_format()
+        nuq = fmt.kind == "nuq"  # KVQuant's own kernel: tile tokens and warps (2 stages)
+        per_channel_keys = fmt.token_group > 1
+        for block_n in (64,) if per_channel_keys else ((16, 32, 64) if nuq else (32, 64, 128)):
+            for warps, stages in ((4, 2), (8, 2)) if nuq else ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4)):
+                ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, nuq_block_n=block_n)
                 try:
                     ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, d**-0.5), rep_ms=50)
                 except Exception as error:  # a configuration that does not compile (shared memory, ...)
@@ -270,6 +305,8 @@ def _make_e2e_cache(name: str, model):
 
         nbits = int(name.split("-int")[1])
         return QuantizedCache(backend="quanto", config=model.config, nbits=nbits), "sdpa"
+    if _needs_model(name):
+        return make_cache(name, model, calibration=_calibrated(model)), "hf_kvcache"
     return make_cache(name, model), "hf_kvcache"
 
 
@@ -381,7 +418,7 @@ def capacity_part(cfg: BenchConfig, log=print) -> list[dict]:
     bf16_seq = 2 * 2 * hkv * d * s * layers
     rows = [dict(method="bf16", seq_bytes=bf16_seq, batch=int(budget // bf16_seq), ratio=1.0)]
     for spec in cfg.methods:
-        cache = make_cache(spec, config)
+        cache = _make_layer_cache(spec, config)
         cache.layers[0].update(k, v)
         seq = cache.layers[0].allocated_nbytes() * layers
         rows.append(dict(method=spec, seq_bytes=seq, batch=int(budget // seq), ratio=bf16_seq / seq))

@@ -123,6 +123,27 @@ class LayerRope:
         cos, sin = self.module(probe, positions.long(), *self.args, **self.kwargs)
         return cos.float(), sin.float()
 
+    def frequencies(self, head_dim: int, device: torch.device) -> tuple[torch.Tensor, float] | None:
+        """`(inv_freq (D/2,) float32, scale)` such that cos/sin at position p are `cos(p * inv_freq) * scale`
+        (both halves), what a kernel needs to apply this RoPE itself; None when no buffer of the module
+        reproduces its cos/sin (rope types whose frequencies depend on the sequence length, "dynamic" and
+        "longrope", are not offered)."""
+        if str(getattr(self.module, "rope_type", "default")) in ("dynamic", "longrope"):
+            return None
+        positions = torch.tensor([[0, 1, 2, 7, 100, 1000, 4095]], device=device)
+        cos, sin = self.cos_sin(positions, head_dim)
+        scale = float(cos[0, 0, 0])  # cos(0) * scale
+        for name, buf in self.module.named_buffers(recurse=False):
+            if not name.endswith("inv_freq") or buf.numel() != head_dim // 2:
+                continue
+            inv_freq = buf.detach().to(device, torch.float32).reshape(-1)
+            angle = positions[0].float()[:, None] * inv_freq[None, :]
+            want_cos = torch.cat([angle.cos(), angle.cos()], -1) * scale
+            want_sin = torch.cat([angle.sin(), angle.sin()], -1) * scale
+            if torch.allclose(cos[0], want_cos, atol=1e-5) and torch.allclose(sin[0], want_sin, atol=1e-5):
+                return inv_freq.contiguous(), scale
+        return None
+
 
 def _is_rotary(module: nn.Module) -> bool:
     return any(name.endswith("inv_freq") for name, _ in module.named_buffers(recurse=False))

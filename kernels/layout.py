@@ -11,6 +11,8 @@ promises (B = batch, H = kv-heads, D = head_dim, b = bits, rows along axis 2 as 
   symmetric.
 - `kind="uniform"`, `token_group=G > 1`, `channel_group=1` (KIVI keys, per channel over blocks of G tokens):
   `codes (B, H, n, G, D*b/8) uint8`, `scale (B, H, n, D) fp16`, `zero (B, H, n, D) fp16`.
+
+KVQuant's non-uniform codes are described by `NUQFormat` (kernels in `nuq.py`).
 """
 
 from __future__ import annotations
@@ -54,3 +56,28 @@ class StreamTensors:
     fmt: PackedFormat
     n_packed: int
     residual: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class NUQFormat:
+    """KVQuant's fields (`hf_kvcache.methods.kvquant`): `codes (B, H, T, D*b/8) uint8` (a little-endian bit stream of
+    b-bit indices into `codebook`), `out_idx (B, H, T, s) uint8` and `out_val (B, H, T, s) fp16` (outlier slots,
+    NaN = empty). Keys: per-channel ranges `mid`/`half (H, D) float32` (value = codebook[code] * half + mid) and,
+    with `inv_freq (D/2,) float32`, pre-RoPE storage with `pos (B, 1, T) int32`: the read applies RoPE at `pos`
+    (angles pos * inv_freq, times `rope_scale`). Values: per-token `lo`/`hi (B, H, T, 1) fp16` (mid and half
+    from them)."""
+
+    bits: int
+    codebook: torch.Tensor  # (2^b,) float32, ascending
+    slots: int
+    mid: torch.Tensor | None = None
+    half: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
+    rope_scale: float = 1.0
+    kind: str = "nuq"
+    token_group: int = 1
+
+    def __post_init__(self):
+        if self.bits not in (2, 3, 4) or self.codebook.numel() != 2**self.bits:
+            raise ValueError(f"a NUQ format has 2, 3 or 4 bits and 2^bits centroids, got {self.bits} bits and "
+                             f"{self.codebook.numel()} centroids")

@@ -10,7 +10,7 @@ import os
 import torch
 
 from . import backend
-from .layout import FP8_KINDS, StreamTensors
+from .layout import FP8_KINDS, NUQFormat, StreamTensors
 
 # Launch parameters of the fused attention (the benchmark's sweep sets them; the environment can too):
 # tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
@@ -22,6 +22,7 @@ TUNING = {
     "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4")),
     "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "3")),
     "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "8")),
+    "nuq_block_n": int(os.environ.get("HF_KVCACHE_NUQ_BLOCK_N", "32")),  # KVQuant's tiles (its own kernel)
     "min_tiles_per_split": 2,
 }
 
@@ -49,6 +50,10 @@ def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor) ->
         return f"head_dim {d} is not a power of two in [16, 256]"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
+    if isinstance(keys.fmt, NUQFormat) or isinstance(values.fmt, NUQFormat):
+        if not (isinstance(keys.fmt, NUQFormat) and isinstance(values.fmt, NUQFormat) and keys.fmt.mid is not None):
+            return "NUQ keys and values are read together (KVQuant)"
+        return None if d >= 32 else f"NUQ keys are rotated in halves of >= 16 channels, not head_dim {d}"
     if values.fmt.token_group != 1:
         return "values grouped along tokens"
     for st in (keys, values):
@@ -151,6 +156,9 @@ def decode_attention(
     """
     from . import decode
 
+    if isinstance(keys.fmt, NUQFormat):
+        return nuq_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
+                             scaling=scaling, softcap=softcap, s_aux=s_aux)
     b, hq, tq, d = query.shape
     hkv = k_new.shape[1]
     if hq % hkv:
@@ -171,34 +179,10 @@ def decode_attention(
     m_tiles = decode.triton.cdiv(rows, block_m)
     body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     n_body_tiles = body // block_n
-    per_split = b * hkv * m_tiles
-    if query.is_cuda and n_body_tiles:
-        target = TUNING["programs_per_sm"] * _multiprocessors(query.device.index or 0)
-        n_splits = max(1, min(math.ceil(target / per_split), n_body_tiles // TUNING["min_tiles_per_split"]))
-    else:
-        n_splits = 1 if n_body_tiles else 0
-    tiles_per_split = math.ceil(n_body_tiles / n_splits) if n_splits else 0
-    n_splits = math.ceil(n_body_tiles / tiles_per_split) if n_splits else 0
-    n_parts = n_splits + 1
-
-    dev = query.device
-    part_acc = torch.empty((b * hkv * m_tiles * block_m * n_parts, d), device=dev, dtype=torch.float32)
-    part_m = torch.empty((b * hkv * m_tiles * block_m * n_parts,), device=dev, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-
-    has_mask = attention_mask is not None
-    if has_mask:
-        if attention_mask.dtype != torch.bool:
-            raise ValueError("the fused attention takes a boolean mask (True = attend)")
-        mask = attention_mask.view(torch.uint8)
-        m_args = [mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3)]
-    else:
-        m_args = [dummy, 0, 0, 0]
-
-    if query.dtype == torch.float32 or backend.interpreting():
-        dt, prec = decode.tl.float32, "ieee"
-    else:
-        dt, prec = (decode.tl.bfloat16 if query.dtype == torch.bfloat16 else decode.tl.float16), "tf32"
+    n_splits, tiles_per_split = _split_k(query, n_body_tiles, b * hkv * m_tiles)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1)
+    m_args = _mask_args(attention_mask, dummy)
+    dt, prec = _compute_dtype(query)
 
     def stream_args(st: StreamTensors, new: torch.Tensor) -> list:
         sink = _place(st.sink, dummy)
@@ -215,7 +199,7 @@ def decode_attention(
             out.append(f.token_group)
         return out + [chg if f.kind == "uniform" else d, f.symmetric]
 
-    out = torch.empty((b, tq, hq, d), device=dev, dtype=query.dtype)
+    out = torch.empty((b, tq, hq, d), device=query.device, dtype=query.dtype)
     if query.stride(3) != 1:
         query = query.contiguous()
     args = [
@@ -230,7 +214,7 @@ def decode_attention(
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
-        HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
+        HAS_MASK=attention_mask is not None, HAS_SOFTCAP=softcap is not None,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, query.dtype), V_OFF=_magic_offset(values.fmt, query.dtype),
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
@@ -241,12 +225,150 @@ def decode_attention(
             *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=stages
         )
     decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
-    saux = s_aux if s_aux is not None else dummy
-    decode._combine[(b * hkv * rows,)](
-        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), saux,
-        hkv, tq, n_parts, m_tiles * block_m,
-        G=g, D=d, NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None, num_warps=4,
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
+    return out
+
+
+def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int]:
+    """Split-K sizing: (n_splits, tiles_per_split) for `n_tiles` tiles of packed tokens and `programs` programs per
+    split; on CUDA about `programs_per_sm` programs per multiprocessor, each split at least `min_tiles_per_split`
+    tiles."""
+    if query.is_cuda and n_tiles:
+        target = TUNING["programs_per_sm"] * _multiprocessors(query.device.index or 0)
+        n_splits = max(1, min(math.ceil(target / programs), n_tiles // TUNING["min_tiles_per_split"]))
+    else:
+        n_splits = 1 if n_tiles else 0
+    tiles_per_split = math.ceil(n_tiles / n_splits) if n_splits else 0
+    n_splits = math.ceil(n_tiles / tiles_per_split) if n_splits else 0
+    return n_splits, tiles_per_split
+
+
+def _partials(query: torch.Tensor, rows: int, n_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 split-K partial results of `rows` query rows: acc `(rows * n_parts, D)`, running max and sum."""
+    acc = torch.empty((rows * n_parts, query.shape[-1]), device=query.device, dtype=torch.float32)
+    m = torch.empty((rows * n_parts,), device=query.device, dtype=torch.float32)
+    return acc, m, torch.empty_like(m)
+
+
+def _mask_args(attention_mask: torch.Tensor | None, dummy: torch.Tensor) -> list:
+    if attention_mask is None:
+        return [dummy, 0, 0, 0]
+    if attention_mask.dtype != torch.bool:
+        raise ValueError("the fused attention takes a boolean mask (True = attend)")
+    mask = attention_mask.view(torch.uint8)
+    return [mask, mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2), mask.stride(3)]
+
+
+def _compute_dtype(query: torch.Tensor) -> tuple:
+    """The products' operand dtype and precision: the model dtype on tensor cores, exact fp32 for fp32 models
+    and the interpreter (whose bf16 products are not trustworthy)."""
+    from . import decode
+
+    if query.dtype == torch.float32 or backend.interpreting():
+        return decode.tl.float32, "ieee"
+    return (decode.tl.bfloat16 if query.dtype == torch.bfloat16 else decode.tl.float16), "tf32"
+
+
+def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_parts: int, rows_pad: int) -> None:
+    from . import decode
+
+    decode._combine[(out.shape[0] * hkv * tq * g,)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
+        s_aux if s_aux is not None else part_m, hkv, tq, n_parts, rows_pad,
+        G=g, D=out.shape[-1], NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None, num_warps=4,
     )
+
+
+def nuq_attention(
+    query: torch.Tensor,
+    keys: StreamTensors,
+    values: StreamTensors,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    exact_new: bool,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention` over KVQuant's NUQ layout (`NUQFormat`, kernels in `nuq.py`): `query (B, Hq, Tq, D)`,
+    keys `codes (B, Hkv, T, D*b/8)` + outlier slots + `pos (B, 1, T)`, values `codes` + `lo`/`hi (B, Hkv, T, 1)`
+    + slots -> `(B, Tq, Hq, D)`; keys get RoPE at their stored positions after dequantization."""
+    from . import nuq
+
+    b, hq, tq, d = query.shape
+    hkv = k_new.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
+    g = hq // hkv
+    kf, vf = keys.fmt, values.fmt
+    n_sink = _len(keys.sink)
+    held = n_sink + keys.n_packed + _len(keys.residual)
+    n_new = k_new.shape[2] if exact_new else 0
+    stop = held - n_new
+    dummy = k_new
+    block_n = TUNING["nuq_block_n"]
+    rows = tq * g
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    m_tiles = nuq.triton.cdiv(rows, block_m)
+    body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
+    n_splits, tiles_per_split = _split_k(query, nuq.triton.cdiv(body, block_n), b * hkv * m_tiles)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1)
+    dt, prec = _compute_dtype(query)
+    if query.stride(3) != 1:
+        query = query.contiguous()
+
+    def exact_places(st: StreamTensors, new: torch.Tensor) -> list:
+        return [*_place(st.sink, dummy), *_place(st.residual, dummy), *_place(new, dummy)]
+
+    def packed(st: StreamTensors) -> list:
+        """codes + batch, head and token strides, slot indices and values + their strides."""
+        row_bytes, slots = d * st.fmt.bits // 8, max(st.fmt.slots, 1)
+        if not body:  # nothing packed is read: dummies with the storage's token strides (one specialization)
+            return [dummy, 0, 0, row_bytes, dummy, dummy, 0, 0, slots]
+        f = st.fields
+        codes = f["codes"]
+        if codes.stride(3) != 1:
+            raise ValueError("NUQ codes must be contiguous along head_dim")
+        if not st.fmt.slots:
+            return [codes, *codes.stride()[:3], dummy, dummy, 0, 0, slots]
+        idx, val = f["out_idx"], f["out_val"]
+        if idx.stride() != val.stride() or idx.stride(3) != 1:
+            raise ValueError("the outlier slots' indices and values must share a layout, contiguous per token")
+        return [codes, *codes.stride()[:3], idx, val, *idx.stride()[:3]]
+
+    device = query.device
+    rope = kf.inv_freq is not None
+    if rope and body:
+        pos = keys.fields["pos"]  # (B, 1, T)
+        pos_args = [pos, pos.stride(0), pos.stride(2)]
+    else:
+        pos_args = [dummy, 0, 1]
+    if body:
+        lo, hi = values.fields["lo"], values.fields["hi"]  # (B, H, T, 1)
+        if lo.stride() != hi.stride():
+            raise ValueError("the values' lo and hi must share a layout")
+        range_args = [lo, hi, *lo.stride()[:3]]
+    else:
+        range_args = [dummy, dummy, 0, 0, 1]
+    k_args = [*packed(keys), *pos_args, kf.mid.to(device), kf.half.to(device), kf.codebook.to(device),
+              (kf.inv_freq if rope else kf.codebook).to(device)]
+    v_args = [*packed(values), *range_args, vf.codebook.to(device)]
+    out = torch.empty((b, tq, hq, d), device=device, dtype=query.dtype)
+    nuq._nuq_attn[(b * hkv, n_splits + 1, m_tiles)](
+        query, query.stride(0), query.stride(1), query.stride(2),
+        *exact_places(keys, k_new), *exact_places(values, v_new),
+        *k_args, *v_args,
+        *_mask_args(attention_mask, dummy),
+        part_acc, part_m, part_l,
+        hkv, tq, n_sink, body, keys.n_packed, _len(keys.residual), stop, n_new, tiles_per_split, n_splits,
+        m_tiles, float(scaling), float(softcap or 0.0), float(kf.rope_scale),
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec, HAS_MASK=attention_mask is not None,
+        HAS_SOFTCAP=softcap is not None, ROPE=rope, K_BITS=kf.bits, V_BITS=vf.bits, K_S=kf.slots, V_S=vf.slots,
+        num_warps=TUNING["num_warps"], num_stages=2,
+    )
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out
 
 
@@ -326,4 +448,58 @@ def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, 
         x, *_bh_t_strides(x), out, *_bh_t_strides(out),
         s, s.stride(0) if s.shape[0] > 1 else 0, s.stride(1) if s.shape[1] > 1 else 0, t, h, float(fmax),
         D=d, E5M2=fmt == "e5m2", BLOCK_T=_PACK_BLOCK_T,
+    )
+
+
+def pack_nuq(
+    x: torch.Tensor,
+    out: dict[str, torch.Tensor],
+    fmt: NUQFormat,
+    midpoints: torch.Tensor,
+    *,
+    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    positions: torch.Tensor | None = None,
+) -> None:
+    """KVQuant's encode in place: `x (B, H, T, D)` -> `out["codes"] (B, H, T, D*b/8)`, `out["out_idx"]`/`out["out_val"]
+    (B, H, T, s)`; keys (`key_range` = calibrated `(lo, hi) (H, D)` float32, `fmt.mid`/`fmt.half` the encode's
+    normalization) also `out["pos"] (B, 1, T)` from `positions (B, T)` when `fmt.inv_freq` is set (RoPE undone at
+    those positions); values also `out["lo"]`/`out["hi"] (B, H, T, 1) fp16`. `midpoints (2^b - 1,)` float32: the
+    codebook's decision boundaries. Same numbers as `methods.kvquant`'s codecs up to the rounding of the RoPE
+    angles (keys) and of fp32 products."""
+    from . import nuq
+
+    b, h, t, d = x.shape
+    keys = key_range is not None
+    rope = keys and fmt.inv_freq is not None
+    codes = out["codes"]
+    dev = x.device
+    if fmt.slots:
+        idx, val = out["out_idx"], out["out_val"]
+        if idx.stride() != val.stride():
+            raise ValueError("the outlier slots' indices and values must share a layout")
+        slot_args = [idx, val, *_bh_t_strides(idx)]
+    else:
+        slot_args = [codes, codes, 0, 0, 0]
+    if rope:
+        if positions is None:
+            raise ValueError("pre-RoPE keys need the tokens' positions")
+        out["pos"].copy_(positions.to(torch.int32)[:, None])
+        p = positions.to(dev)
+        pos_args = [p, p.stride(0), p.stride(1), fmt.inv_freq.to(dev), float(fmt.rope_scale)]
+    else:
+        pos_args = [x, 0, 0, midpoints, 1.0]
+    if keys:
+        lo, hi = (r.to(dev, torch.float32).contiguous() for r in key_range)
+        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)  # as normalize_per_channel
+        range_args = [lo, hi, mid, half]
+        side_args = [codes, codes, 0, 0, 0]
+    else:
+        range_args = [midpoints] * 4
+        if out["lo"].stride() != out["hi"].stride():
+            raise ValueError("the values' lo and hi must share a layout")
+        side_args = [out["lo"], out["hi"], *_bh_t_strides(out["lo"])]
+    nuq._pack_nuq[(b * h, nuq.triton.cdiv(t, _PACK_BLOCK_T))](
+        x, *_bh_t_strides(x), *pos_args, *range_args, midpoints.to(dev),
+        codes, *_bh_t_strides(codes), *slot_args, *side_args, t, h,
+        D=d, BITS=fmt.bits, S=fmt.slots, KEYS=keys, ROPE=rope, BLOCK_T=_PACK_BLOCK_T,
     )

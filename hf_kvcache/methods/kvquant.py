@@ -26,7 +26,9 @@ import math
 
 import torch
 
+from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..kernels.layout import NUQFormat
 from ..patching import LayerRope, layer_ropes, rotate
 from ..quant import nuq_dequantize, nuq_quantize, normalize_per_channel, pack_bits, round_fp16, unpack_bits
 from ._common import attention_shape, check_choice, check_nonnegative_int
@@ -41,6 +43,11 @@ def _outlier_slots(fraction: float, head_dim: int) -> int:
 def _check_head_dim(head_dim: int) -> None:
     if head_dim % 8 or head_dim > 256:  # slot indices are uint8
         raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (packed codes) and at most 256")
+
+
+def _midpoints(codebook: torch.Tensor) -> torch.Tensor:
+    """The decision boundaries of nearest-centroid coding (`quant.nuq_quantize`): `(2^b - 1,)` float32."""
+    return (codebook[1:] + codebook[:-1]) / 2
 
 
 def _scatter_outliers(x: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
@@ -64,14 +71,44 @@ class KVQuantKeyCodec(Codec):
         self.bits, self.slots, self.rope = bits, slots, rope
         self.codebook = codebook.float()
         self.lo, self.hi = lo.float(), hi.float()  # (Hkv, D) calibrated thresholds
+        self._format: NUQFormat | None = None
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_head_dim(head_dim)
 
     def _ranges(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.lo.device != device:
-            self.lo, self.hi = self.lo.to(device), self.hi.to(device)  # once, not a copy every step
+            # once, not a copy every step
+            self.lo, self.hi, self.codebook = self.lo.to(device), self.hi.to(device), self.codebook.to(device)
+            self._format = None
         return self.lo[None, :, None], self.hi[None, :, None]  # (1, H, 1, D)
+
+    def packed_format(self) -> NUQFormat | None:
+        """The kernels' view (built once per device): None when the head_dim has no kernel or the model's RoPE
+        is not one the kernel can recompute (`LayerRope.frequencies`)."""
+        if getattr(self, "_format", None) is None:
+            head_dim = self.lo.shape[-1]
+            if not kernels.head_dim_ok(head_dim) or head_dim < 32:
+                return None
+            inv_freq, scale = None, 1.0
+            if self.rope is not None:
+                found = self.rope.frequencies(head_dim, self.lo.device)
+                if found is None:
+                    return None
+                inv_freq, scale = found
+            self._format = NUQFormat(self.bits, self.codebook, self.slots, mid=(self.hi + self.lo) / 2,
+                                     half=(self.hi - self.lo) / 2, inv_freq=inv_freq, rope_scale=scale)
+        return self._format
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor],
+                    positions: torch.Tensor | None = None) -> None:
+        self._ranges(x.device)
+        fmt = self.packed_format() if kernels.use_kernels(x.device) else None
+        if fmt is None:
+            super().encode_into(x, valid, out, positions=positions)
+            return
+        kernels.ops.pack_nuq(x, out, fmt, _midpoints(self.codebook), key_range=(self.lo, self.hi),
+                             positions=positions if self.rope is not None else None)
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None
                ) -> dict[str, torch.Tensor]:
@@ -112,6 +149,17 @@ class KVQuantValueCodec(Codec):
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_head_dim(head_dim)
+
+    def packed_format(self) -> NUQFormat:
+        return NUQFormat(self.bits, self.codebook, self.slots)
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        if not (kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1]) and x.shape[-1] >= 32):
+            super().encode_into(x, valid, out)
+            return
+        if self.codebook.device != x.device:
+            self.codebook = self.codebook.to(x.device)
+        kernels.ops.pack_nuq(x, out, self.packed_format(), _midpoints(self.codebook))
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = x.float()

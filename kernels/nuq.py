@@ -1,0 +1,277 @@
+"""KVQuant's layout in Triton: a pack kernel (keys un-rotated to their pre-RoPE values, per-channel normalization,
+nearest-centroid codes, sparse outlier slots; values per token) and a fused decode attention that reads the NUQ
+codes, looks up the codebook, writes the outlier slots over the tile, applies RoPE to the dequantized keys at
+each token's stored position and runs the same online softmax as `decode.py`.
+
+The layout and the math are `hf_kvcache.methods.kvquant`'s (the reference codecs); the launchers are
+`ops.nuq_attention`, `ops.pack_nuq_keys` and `ops.pack_nuq_values`.
+
+RoPE (rotate-half convention): with the pre-RoPE key split in halves k1, k2 and angles pos * inv_freq,
+k1' = k1 cos - k2 sin, k2' = k2 cos + k1 sin (times the rotary module's attention scaling). The attention kernel
+works on the two halves as separate tiles, so the rotation needs no permutation of channels, and the score is
+q1 . k1' + q2 . k2'.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode import _dot, _finish_scores, _softmax_step
+from .pack import _fp16_outward
+
+
+@triton.jit
+def _codes(C, row_off, ch, ok, BITS: tl.constexpr, ROW: tl.constexpr):
+    """Codes of channels `ch (1, W)` of the rows at byte offsets `row_off (N, 1)`: int32 (N, W). Codes are a
+    little-endian bit stream (`quant.pack_bits`); a 3-bit code can straddle two bytes (ROW bytes a row)."""
+    bit = ch * BITS
+    byte = bit // 8
+    word = tl.load(C + row_off + byte, mask=ok, other=0).to(tl.int32)
+    if BITS == 3:
+        nxt = tl.load(C + row_off + byte + 1, mask=ok & (byte + 1 < ROW), other=0).to(tl.int32)
+        word = word | (nxt << 8)
+    return (word >> (bit % 8)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _nuq_tile(C, OI, OV, CB, row, ok, ch, mid, half, sc_t, so_t, BITS: tl.constexpr, ROW: tl.constexpr,
+              S: tl.constexpr):
+    """Dequantized values of channels `ch (1, W)` of tokens `row (N, 1)`: float32 (N, W) =
+    codebook[code] * half + mid, then the outlier slots (channel, fp16 value; NaN = empty) written over."""
+    code = _codes(C, row * sc_t, ch, ok, BITS, ROW)
+    x = tl.load(CB + code) * half + mid
+    for s in tl.static_range(S):
+        idx = tl.load(OI + row * so_t + s, mask=ok, other=0).to(tl.int32)
+        val = tl.load(OV + row * so_t + s, mask=ok, other=0.0).to(tl.float32)
+        x = tl.where((ch == idx) & (val == val), val, x)
+    return x
+
+
+@triton.jit
+def _dense_tile(S_, R_, N_, ss_t, sr_t, sn_t, kpos, d, ok, n_sink, npk, n_res, stop, n_new):
+    """Tokens `kpos (N, 1)` held exactly (sink, residual, this step's new tokens): float32 (N, D)."""
+    stored = ok & (kpos < stop)
+    rk = kpos - n_sink - npk
+    nk = kpos - stop
+    x = tl.load(S_ + kpos * ss_t + d, mask=stored & (kpos < n_sink), other=0.0).to(tl.float32)
+    x += tl.load(R_ + rk * sr_t + d, mask=stored & (rk >= 0) & (rk < n_res), other=0.0).to(tl.float32)
+    x += tl.load(N_ + nk * sn_t + d, mask=ok & (nk >= 0) & (nk < n_new), other=0.0).to(tl.float32)
+    return x
+
+
+# As in `decode._VARYING`: lengths and split counts change every step and are not specialized; the strides of
+# the storage are, so that their divisibility by 16 stays known.
+_VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "npk", "n_res", "stop", "n_new", "tiles_per_split",
+            "n_splits", "m_tiles")
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _nuq_attn(
+    Q, sq_b, sq_h, sq_t,
+    KS, sks_b, sks_h, sks_t, KR, skr_b, skr_h, skr_t, KN, skn_b, skn_h, skn_t,
+    VS, svs_b, svs_h, svs_t, VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t,
+    KC, skc_b, skc_h, skc_t, KOI, KOV, sko_b, sko_h, sko_t, KP, skp_b, skp_t, KMID, KHALF, KCB, INVF,
+    VC, svc_b, svc_h, svc_t, VOI, VOV, svo_b, svo_h, svo_t, VLO, VHI, svl_b, svl_h, svl_t, VCB,
+    MASK, sm_b, sm_t, sm_s,
+    ACC, M_OUT, L_OUT,
+    Hkv, Tq, n_sink, n_body, npk, n_res, stop, n_new, tiles_per_split, n_splits, m_tiles,
+    sm_scale, softcap, rope_scale,
+    D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr,
+):
+    """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
+    packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
+    new). Partial results go to ACC/M_OUT/L_OUT for `decode._combine`."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = (pid_bh % Hkv).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows (position t, head g of the group)
+    row_ok = rows < Tq * G
+    t = rows // G
+    qoff = b * sq_b + (h * G + rows % G) * sq_h + t * sq_t
+    d = tl.arange(0, D)
+    e = tl.arange(0, HALF)
+    n = tl.arange(0, BLOCK_N)
+    s_total = stop + n_new
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + pid_s
+
+    if pid_s < n_splits:
+        # ------------------------------------------------------------------ packed tokens
+        q1 = tl.load(Q + qoff[:, None] + e[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        q2 = tl.load(Q + qoff[:, None] + HALF + e[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        kc = KC + b * skc_b + h * skc_h
+        koi = KOI + b * sko_b + h * sko_h
+        kov = KOV + b * sko_b + h * sko_h
+        kp = KP + b * skp_b
+        vc = VC + b * svc_b + h * svc_h
+        voi = VOI + b * svo_b + h * svo_h
+        vov = VOV + b * svo_b + h * svo_h
+        vlo = VLO + b * svl_b + h * svl_h
+        vhi = VHI + b * svl_b + h * svl_h
+        mid1 = tl.load(KMID + h * D + e)[None, :]
+        mid2 = tl.load(KMID + h * D + HALF + e)[None, :]
+        half1 = tl.load(KHALF + h * D + e)[None, :]
+        half2 = tl.load(KHALF + h * D + HALF + e)[None, :]
+        inv_freq = tl.load(INVF + e) if ROPE else e.to(tl.float32)
+        lo = pid_s * tiles_per_split
+        hi = tl.minimum(lo + tiles_per_split, tl.cdiv(n_body, BLOCK_N))
+        for tile in range(lo, hi):
+            tok = tile * BLOCK_N + n
+            ok = tok < n_body
+            row = tok[:, None]
+            okr = ok[:, None]
+            k1 = _nuq_tile(kc, koi, kov, KCB, row, okr, e[None, :], mid1, half1, skc_t, sko_t,
+                           K_BITS, D * K_BITS // 8, K_S)
+            k2 = _nuq_tile(kc, koi, kov, KCB, row, okr, HALF + e[None, :], mid2, half2, skc_t, sko_t,
+                           K_BITS, D * K_BITS // 8, K_S)
+            if ROPE:
+                pos = tl.load(kp + tok * skp_t, mask=ok, other=0).to(tl.float32)
+                angle = pos[:, None] * inv_freq[None, :]
+                cos = tl.cos(angle) * rope_scale
+                sin = tl.sin(angle) * rope_scale
+                r1 = k1 * cos - k2 * sin
+                k2 = k2 * cos + k1 * sin
+                k1 = r1
+            s = _dot(q1, tl.trans(k1.to(DT)), PREC) + _dot(q2, tl.trans(k2.to(DT)), PREC)
+            s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
+            kpos = n_sink + tok
+            if HAS_MASK:
+                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
+                                  mask=row_ok[:, None] & ok[None, :], other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            else:
+                s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            v_lo = tl.load(vlo + tok * svl_t, mask=ok, other=0.0).to(tl.float32)[:, None]
+            v_hi = tl.load(vhi + tok * svl_t, mask=ok, other=0.0).to(tl.float32)[:, None]
+            vt = _nuq_tile(vc, voi, vov, VCB, row, okr, d[None, :], (v_hi + v_lo) / 2, (v_hi - v_lo) / 2, svc_t,
+                           svo_t, V_BITS, D * V_BITS // 8, V_S)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+    else:
+        # ------------------------------------------------------------------ exact tokens
+        q = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        ks = KS + b * sks_b + h * sks_h
+        kr = KR + b * skr_b + h * skr_h
+        kn = KN + b * skn_b + h * skn_h
+        vs = VS + b * svs_b + h * svs_h
+        vr = VR + b * svr_b + h * svr_h
+        vn = VN + b * svn_b + h * svn_h
+        body_end = n_sink + n_body
+        end = s_total
+        if not HAS_MASK:
+            t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
+            end = tl.minimum(s_total, s_total - Tq + t_last + 1)
+        n_first = tl.cdiv(n_sink, BLOCK_N)
+        n_rest = tl.cdiv(tl.maximum(end - body_end, 0), BLOCK_N)
+        for i in range(0, n_first + n_rest):
+            start = tl.where(i < n_first, i * BLOCK_N, body_end + (i - n_first) * BLOCK_N)
+            limit = tl.where(i < n_first, tl.minimum(n_sink, end), end)
+            kpos = start + n
+            ok = kpos < limit
+            kt = _dense_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
+                             npk, n_res, stop, n_new)
+            s = _finish_scores(_dot(q, tl.trans(kt.to(DT)), PREC), sm_scale, softcap, HAS_SOFTCAP)
+            if HAS_MASK:
+                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
+                                  mask=row_ok[:, None] & ok[None, :], other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            else:
+                s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            vt = _dense_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
+                             npk, n_res, stop, n_new)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+    tl.store(ACC + part[:, None] * D + d[None, :], acc)
+    tl.store(M_OUT + part, m_i)
+    tl.store(L_OUT + part, l_i)
+
+
+@triton.jit
+def _store_codes(C, row_off, x, MIDS, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ok):
+    """Nearest-centroid codes of normalized `x (BLOCK_T, D)` (the number of codebook midpoints below each value:
+    `torch.bucketize(right=False)`, ties to the lower centroid), packed as a little-endian bit stream: every 8
+    codes are BITS bytes."""
+    code = tl.zeros((BLOCK_T, D), tl.int64)
+    for j in tl.static_range((1 << BITS) - 1):
+        code += (x > tl.load(MIDS + j)).to(tl.int64)
+    word = tl.sum(tl.reshape(code, (BLOCK_T, D // 8, 8)) << (tl.arange(0, 8) * BITS)[None, None, :], 2)
+    grp = tl.arange(0, D // 8)
+    for i in tl.static_range(BITS):
+        tl.store(C + row_off + (grp * BITS + i)[None, :], ((word >> (8 * i)) & 255).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _top_slots(score, x, d, OI, OV, row_off, ok, S: tl.constexpr, NAN_IF_ZERO: tl.constexpr, D: tl.constexpr):
+    """The S channels of largest `score (N, D)` per row (the lowest index among equals), stored as slots
+    (uint8 channel, fp16 value of `x`); with NAN_IF_ZERO, a slot whose score is not positive is empty (NaN).
+    Returns the mask of the chosen channels."""
+    chosen = tl.zeros(score.shape, tl.int32) != 0
+    for s in tl.static_range(S):
+        best = tl.max(score, 1)
+        idx = tl.min(tl.where(score == best[:, None], d, D), 1)
+        hit = d == idx[:, None]
+        val = tl.sum(tl.where(hit, x, 0.0), 1)
+        if NAN_IF_ZERO:
+            val = tl.where(best > 0, val, float("nan"))
+        tl.store(OI + row_off + s, idx.to(tl.uint8), mask=ok)
+        tl.store(OV + row_off + s, val.to(tl.float16), mask=ok)
+        chosen = chosen | hit
+        score = tl.where(hit, float("-inf"), score)
+    return chosen
+
+
+@triton.jit(do_not_specialize=("T",))
+def _pack_nuq(
+    X, sx_b, sx_h, sx_t, P, sp_b, sp_t, INVF, rope_scale, LO, HI, MID, HALF_, MIDS,
+    C, sc_b, sc_h, sc_t, OI, OV, so_b, so_h, so_t, VLO, VHI, sv_b, sv_h, sv_t, T, H,
+    D: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, KEYS: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Keys (`KVQuantKeyCodec.encode`): un-rotate RoPE at each token's position, normalize each channel by its
+    calibrated range (MID/HALF_ (H, D)), code; slots take the channels farthest outside [LO, HI]. Values
+    (`KVQuantValueCodec.encode`): slots take the largest magnitudes, the rest set each token's fp16 range
+    (VLO/VHI, rounded outward), code."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = tok[:, None] < T
+    d = tl.arange(0, D)
+    HALF: tl.constexpr = D // 2
+    xrow = X + b * sx_b + h * sx_h + tok[:, None] * sx_t
+    x = tl.load(xrow + d[None, :], mask=ok, other=0.0).to(tl.float32)  # (BLOCK_T, D)
+    so = b * so_b + h * so_h + tok * so_t  # (BLOCK_T,)
+    if KEYS:
+        if ROPE:
+            # the rotate-half partner of each channel, and the inverse rotation x cos -/+ partner sin
+            partner = tl.load(xrow + ((d + HALF) % D)[None, :], mask=ok, other=0.0).to(tl.float32)
+            pos = tl.load(P + b * sp_b + tok * sp_t, mask=tok < T, other=0).to(tl.float32)
+            angle = pos[:, None] * tl.load(INVF + d % HALF)[None, :]
+            sign = tl.where(d < HALF, 1.0, -1.0)[None, :]
+            x = x * (tl.cos(angle) * rope_scale) + sign * partner * (tl.sin(angle) * rope_scale)
+        lo = tl.load(LO + h * D + d)[None, :]
+        hi = tl.load(HI + h * D + d)[None, :]
+        distance = tl.maximum(x - hi, 0.0) + tl.maximum(lo - x, 0.0)
+        _top_slots(distance, x, d[None, :], OI, OV, so, tok < T, S, True, D)
+        nrm = tl.math.div_rn(x - tl.load(MID + h * D + d)[None, :], tl.load(HALF_ + h * D + d)[None, :])
+    else:
+        chosen = _top_slots(tl.abs(x), x, d[None, :], OI, OV, so, tok < T, S, False, D)
+        v_lo = _fp16_outward(tl.min(tl.where(chosen, float("inf"), x), 1), False)
+        v_hi = _fp16_outward(tl.max(tl.where(chosen, float("-inf"), x), 1), True)
+        sv = b * sv_b + h * sv_h + tok * sv_t
+        tl.store(VLO + sv, v_lo.to(tl.float16), mask=tok < T)
+        tl.store(VHI + sv, v_hi.to(tl.float16), mask=tok < T)
+        mid = (v_hi + v_lo) / 2
+        half = tl.maximum((v_hi - v_lo) / 2, 1e-30)
+        nrm = tl.math.div_rn(x - mid[:, None], half[:, None])
+    nrm = tl.minimum(tl.maximum(nrm, -1.0), 1.0)
+    _store_codes(C + b * sc_b + h * sc_h, tok[:, None] * sc_t, nrm, MIDS, BLOCK_T, D, BITS, ok)
