@@ -22,25 +22,42 @@ from .pack import _fp16_outward
 
 
 @triton.jit
-def _codes(C, row_off, ch, ok, BITS: tl.constexpr, ROW: tl.constexpr):
-    """Codes of channels `ch (1, W)` of the rows at byte offsets `row_off (N, 1)`: int32 (N, W). Codes are a
-    little-endian bit stream (`quant.pack_bits`); a 3-bit code can straddle two bytes (ROW bytes a row)."""
-    bit = ch * BITS
-    byte = bit // 8
-    word = tl.load(C + row_off + byte, mask=ok, other=0).to(tl.int32)
-    if BITS == 3:
-        nxt = tl.load(C + row_off + byte + 1, mask=ok & (byte + 1 < ROW), other=0).to(tl.int32)
-        word = word | (nxt << 8)
-    return (word >> (bit % 8)) & ((1 << BITS) - 1)
+def _codes(C, row_off, ok, C0: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr):
+    """Codes of channels C0 .. C0 + W - 1 of the rows at byte offsets `row_off (N, 1)`: int32 (N, W). Codes are a
+    little-endian bit stream (`quant.pack_bits`): every 8 channels are BITS bytes, read as BITS byte planes (one
+    load per byte, not per code) and split into the 8 codes in registers."""
+    grp = C0 // 8 + tl.arange(0, W // 8)
+    base = C + row_off + (grp * BITS)[None, :]
+    word = tl.load(base, mask=ok, other=0).to(tl.int32)
+    for i in tl.static_range(1, BITS):
+        word = word | (tl.load(base + i, mask=ok, other=0).to(tl.int32) << (8 * i))
+    M: tl.constexpr = (1 << BITS) - 1
+    # join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7))) flattens to c0, c1, ..., c7
+    lo = tl.join(tl.join(word & M, (word >> (4 * BITS)) & M), tl.join((word >> (2 * BITS)) & M, (word >> (6 * BITS)) & M))
+    hi = tl.join(tl.join((word >> BITS) & M, (word >> (5 * BITS)) & M),
+                 tl.join((word >> (3 * BITS)) & M, (word >> (7 * BITS)) & M))
+    return tl.reshape(tl.join(lo, hi), (row_off.shape[0], W))
 
 
 @triton.jit
-def _nuq_tile(C, OI, OV, CB, row, ok, ch, mid, half, sc_t, so_t, BITS: tl.constexpr, ROW: tl.constexpr,
-              S: tl.constexpr):
-    """Dequantized values of channels `ch (1, W)` of tokens `row (N, 1)`: float32 (N, W) =
+def _lookup(CB, code, BITS: tl.constexpr, SELECT: tl.constexpr):
+    """codebook[code] as float32: a chain of selects over the 2^BITS centroids (no dependent load), or a gather."""
+    if SELECT:
+        x = tl.zeros(code.shape, tl.float32) + tl.load(CB)
+        for j in tl.static_range(1, 1 << BITS):
+            x = tl.where(code == j, tl.load(CB + j), x)
+    else:
+        x = tl.load(CB + code)
+    return x
+
+
+@triton.jit
+def _nuq_tile(C, OI, OV, CB, row, ok, C0: tl.constexpr, W: tl.constexpr, mid, half, sc_t, so_t,
+              BITS: tl.constexpr, S: tl.constexpr, SELECT: tl.constexpr):
+    """Dequantized values of channels C0 .. C0 + W - 1 of tokens `row (N, 1)`: float32 (N, W) =
     codebook[code] * half + mid, then the outlier slots (channel, fp16 value; NaN = empty) written over."""
-    code = _codes(C, row * sc_t, ch, ok, BITS, ROW)
-    x = tl.load(CB + code) * half + mid
+    x = _lookup(CB, _codes(C, row * sc_t, ok, C0, W, BITS), BITS, SELECT) * half + mid
+    ch = C0 + tl.arange(0, W)[None, :]
     for s in tl.static_range(S):
         idx = tl.load(OI + row * so_t + s, mask=ok, other=0).to(tl.int32)
         val = tl.load(OV + row * so_t + s, mask=ok, other=0.0).to(tl.float32)
@@ -97,6 +114,7 @@ def _nuq_attn(
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr, FAST_TRIG: tl.constexpr,
+    SELECT: tl.constexpr,
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
     packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
@@ -146,10 +164,8 @@ def _nuq_attn(
             ok = tok < n_body
             row = tok[:, None]
             okr = ok[:, None]
-            k1 = _nuq_tile(kc, koi, kov, KCB, row, okr, e[None, :], mid1, half1, skc_t, sko_t,
-                           K_BITS, D * K_BITS // 8, K_S)
-            k2 = _nuq_tile(kc, koi, kov, KCB, row, okr, HALF + e[None, :], mid2, half2, skc_t, sko_t,
-                           K_BITS, D * K_BITS // 8, K_S)
+            k1 = _nuq_tile(kc, koi, kov, KCB, row, okr, 0, HALF, mid1, half1, skc_t, sko_t, K_BITS, K_S, SELECT)
+            k2 = _nuq_tile(kc, koi, kov, KCB, row, okr, HALF, HALF, mid2, half2, skc_t, sko_t, K_BITS, K_S, SELECT)
             if ROPE:
                 pos = tl.load(kp + tok * skp_t, mask=ok, other=0).to(tl.float32)
                 cos, sin = _cos_sin(pos[:, None] * inv_freq[None, :], FAST_TRIG)
@@ -170,8 +186,8 @@ def _nuq_attn(
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             v_lo = tl.load(vlo + tok * svl_t, mask=ok, other=0.0).to(tl.float32)[:, None]
             v_hi = tl.load(vhi + tok * svl_t, mask=ok, other=0.0).to(tl.float32)[:, None]
-            vt = _nuq_tile(vc, voi, vov, VCB, row, okr, d[None, :], (v_hi + v_lo) / 2, (v_hi - v_lo) / 2, svc_t,
-                           svo_t, V_BITS, D * V_BITS // 8, V_S)
+            vt = _nuq_tile(vc, voi, vov, VCB, row, okr, 0, D, (v_hi + v_lo) / 2, (v_hi - v_lo) / 2, svc_t, svo_t,
+                           V_BITS, V_S, SELECT)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
     else:
         # ------------------------------------------------------------------ exact tokens

@@ -24,6 +24,7 @@ TUNING = {
     "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "8")),
     "nuq_block_n": int(os.environ.get("HF_KVCACHE_NUQ_BLOCK_N", "32")),  # KVQuant's tiles (its own kernel)
     "nuq_fast_trig": True,  # KVQuant's RoPE: reduced angles and the approximate hardware cos/sin
+    "nuq_select": True,  # KVQuant's codebook lookup: selects over the centroids (False: a gather load)
     "min_tiles_per_split": 2,
 }
 
@@ -367,7 +368,7 @@ def nuq_attention(
         m_tiles, float(scaling), float(softcap or 0.0), float(kf.rope_scale),
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec, HAS_MASK=attention_mask is not None,
         HAS_SOFTCAP=softcap is not None, ROPE=rope, K_BITS=kf.bits, V_BITS=vf.bits, K_S=kf.slots, V_S=vf.slots,
-        FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(),
+        FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(), SELECT=TUNING["nuq_select"],
         num_warps=TUNING["num_warps"], num_stages=2,
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
