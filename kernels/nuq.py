@@ -22,21 +22,26 @@ from .pack import _fp16_outward
 
 
 @triton.jit
-def _codes(C, row_off, ok, C0: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr):
-    """Codes of channels C0 .. C0 + W - 1 of the rows at byte offsets `row_off (N, 1)`: int32 (N, W). Codes are a
-    little-endian bit stream (`quant.pack_bits`): every 8 channels are BITS bytes, read as BITS byte planes (one
-    load per byte, not per code) and split into the 8 codes in registers."""
-    grp = C0 // 8 + tl.arange(0, W // 8)
-    base = C + row_off + (grp * BITS)[None, :]
+def _words(C, row_off, ok, C0: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr):
+    """The packed bits of channels C0 .. C0 + W - 1 of the rows at byte offsets `row_off (N, 1)`: int32 (N, W / 8),
+    one word per 8 channels. Codes are a little-endian bit stream (`quant.pack_bits`): every 8 channels are BITS
+    bytes, read as BITS byte planes (one load per byte, not per code)."""
+    base = C + row_off + ((C0 // 8 + tl.arange(0, W // 8)) * BITS)[None, :]
     word = tl.load(base, mask=ok, other=0).to(tl.int32)
     for i in tl.static_range(1, BITS):
         word = word | (tl.load(base + i, mask=ok, other=0).to(tl.int32) << (8 * i))
+    return word
+
+
+@triton.jit
+def _split8(word, BITS: tl.constexpr):
+    """Words (N, W / 8) -> the 8 codes of each, int32 (N, W) in channel order."""
     M: tl.constexpr = (1 << BITS) - 1
     # join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7))) flattens to c0, c1, ..., c7
     lo = tl.join(tl.join(word & M, (word >> (4 * BITS)) & M), tl.join((word >> (2 * BITS)) & M, (word >> (6 * BITS)) & M))
     hi = tl.join(tl.join((word >> BITS) & M, (word >> (5 * BITS)) & M),
                  tl.join((word >> (3 * BITS)) & M, (word >> (7 * BITS)) & M))
-    return tl.reshape(tl.join(lo, hi), (row_off.shape[0], W))
+    return tl.reshape(tl.join(lo, hi), (word.shape[0], word.shape[1] * 8))
 
 
 @triton.jit
@@ -52,17 +57,53 @@ def _lookup(CB, code, BITS: tl.constexpr, SELECT: tl.constexpr):
 
 
 @triton.jit
-def _nuq_tile(C, OI, OV, CB, row, ok, C0: tl.constexpr, W: tl.constexpr, mid, half, sc_t, so_t,
-              BITS: tl.constexpr, S: tl.constexpr, SELECT: tl.constexpr):
-    """Dequantized values of channels C0 .. C0 + W - 1 of tokens `row (N, 1)`: float32 (N, W) =
-    codebook[code] * half + mid, then the outlier slots (channel, fp16 value; NaN = empty) written over."""
-    x = _lookup(CB, _codes(C, row * sc_t, ok, C0, W, BITS), BITS, SELECT) * half + mid
-    ch = C0 + tl.arange(0, W)[None, :]
+def _slots(OI, OV, row_off, ok, S: tl.constexpr, SP: tl.constexpr):
+    """Outlier slots of the rows at `row_off (N, 1)`: channel indices int32 and values float32, (N, SP), SP =
+    S rounded up to a power of two (the extra columns unused)."""
+    sp = tl.arange(0, SP)[None, :]
+    m = ok & (sp < S)
+    idx = tl.load(OI + row_off + sp, mask=m, other=0).to(tl.int32)
+    return idx, tl.load(OV + row_off + sp, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dequant(word, idx, val, CB, C0: tl.constexpr, mid, half, BITS: tl.constexpr, S: tl.constexpr,
+             SP: tl.constexpr, SELECT: tl.constexpr):
+    """Dequantized values of channels C0 .. from their words (N, W / 8): float32 (N, W) = codebook[code] * half +
+    mid, then the outlier slots `idx`/`val (N, SP)` (NaN value = empty) written over."""
+    x = _lookup(CB, _split8(word, BITS), BITS, SELECT) * half + mid
+    ch = C0 + tl.arange(0, x.shape[1])[None, :]
+    sp = tl.arange(0, SP)[None, :]
     for s in tl.static_range(S):
-        idx = tl.load(OI + row * so_t + s, mask=ok, other=0).to(tl.int32)
-        val = tl.load(OV + row * so_t + s, mask=ok, other=0.0).to(tl.float32)
-        x = tl.where((ch == idx) & (val == val), val, x)
+        i_s = tl.sum(tl.where(sp == s, idx, 0), 1)[:, None]
+        v_s = tl.sum(tl.where(sp == s, val, 0.0), 1)[:, None]
+        x = tl.where((ch == i_s) & (v_s == v_s), v_s, x)
     return x
+
+
+@triton.jit
+def _fetch(kc, koi, kov, kp, vc, voi, vov, vlo, vhi, tile, n_body, skc_t, sko_t, skp_t, svc_t, svo_t, svl_t,
+           BLOCK_N: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr,
+           V_S: tl.constexpr, K_SP: tl.constexpr, V_SP: tl.constexpr, ROPE: tl.constexpr):
+    """Every load of one tile of packed tokens (raw: code words, slots, positions, value ranges). The body issues
+    them one tile ahead, so that their latency overlaps the current tile's work (Triton's pipeliner only prefetches
+    loads that feed the products directly; these go through the dequantization first)."""
+    tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = tok < n_body
+    row = tok[:, None]
+    okr = ok[:, None]
+    kw1 = _words(kc, row * skc_t, okr, 0, D // 2, K_BITS)
+    kw2 = _words(kc, row * skc_t, okr, D // 2, D // 2, K_BITS)
+    vw = _words(vc, row * svc_t, okr, 0, D, V_BITS)
+    ki, kv = _slots(koi, kov, row * sko_t, okr, K_S, K_SP)
+    vi, vv = _slots(voi, vov, row * svo_t, okr, V_S, V_SP)
+    if ROPE:
+        pos = tl.load(kp + tok * skp_t, mask=ok, other=0).to(tl.float32)
+    else:
+        pos = tok.to(tl.float32)
+    v_lo = tl.load(vlo + tok * svl_t, mask=ok, other=0.0).to(tl.float32)
+    v_hi = tl.load(vhi + tok * svl_t, mask=ok, other=0.0).to(tl.float32)
+    return kw1, kw2, vw, ki, kv, vi, vv, pos, v_lo, v_hi
 
 
 @triton.jit
@@ -113,8 +154,8 @@ def _nuq_attn(
     sm_scale, softcap, rope_scale,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr, FAST_TRIG: tl.constexpr,
-    SELECT: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr, K_SP: tl.constexpr,
+    V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, SELECT: tl.constexpr,
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
     packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
@@ -159,15 +200,19 @@ def _nuq_attn(
         inv_freq = tl.load(INVF + e) if ROPE else e.to(tl.float32)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, tl.cdiv(n_body, BLOCK_N))
+        kw1n, kw2n, vwn, kin, kvn, vin, vvn, posn, v_lon, v_hin = _fetch(
+            kc, koi, kov, kp, vc, voi, vov, vlo, vhi, lo, n_body, skc_t, sko_t, skp_t, svc_t, svo_t, svl_t,
+            BLOCK_N, D, K_BITS, V_BITS, K_S, V_S, K_SP, V_SP, ROPE)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n
             ok = tok < n_body
-            row = tok[:, None]
-            okr = ok[:, None]
-            k1 = _nuq_tile(kc, koi, kov, KCB, row, okr, 0, HALF, mid1, half1, skc_t, sko_t, K_BITS, K_S, SELECT)
-            k2 = _nuq_tile(kc, koi, kov, KCB, row, okr, HALF, HALF, mid2, half2, skc_t, sko_t, K_BITS, K_S, SELECT)
+            kw1, kw2, vw, ki, kv, vi, vv, pos, v_lo, v_hi = kw1n, kw2n, vwn, kin, kvn, vin, vvn, posn, v_lon, v_hin
+            kw1n, kw2n, vwn, kin, kvn, vin, vvn, posn, v_lon, v_hin = _fetch(
+                kc, koi, kov, kp, vc, voi, vov, vlo, vhi, tl.minimum(tile + 1, hi - 1), n_body, skc_t, sko_t, skp_t,
+                svc_t, svo_t, svl_t, BLOCK_N, D, K_BITS, V_BITS, K_S, V_S, K_SP, V_SP, ROPE)
+            k1 = _dequant(kw1, ki, kv, KCB, 0, mid1, half1, K_BITS, K_S, K_SP, SELECT)
+            k2 = _dequant(kw2, ki, kv, KCB, HALF, mid2, half2, K_BITS, K_S, K_SP, SELECT)
             if ROPE:
-                pos = tl.load(kp + tok * skp_t, mask=ok, other=0).to(tl.float32)
                 cos, sin = _cos_sin(pos[:, None] * inv_freq[None, :], FAST_TRIG)
                 cos = cos * rope_scale
                 sin = sin * rope_scale
@@ -184,10 +229,8 @@ def _nuq_attn(
             else:
                 s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-            v_lo = tl.load(vlo + tok * svl_t, mask=ok, other=0.0).to(tl.float32)[:, None]
-            v_hi = tl.load(vhi + tok * svl_t, mask=ok, other=0.0).to(tl.float32)[:, None]
-            vt = _nuq_tile(vc, voi, vov, VCB, row, okr, 0, D, (v_hi + v_lo) / 2, (v_hi - v_lo) / 2, svc_t, svo_t,
-                           V_BITS, V_S, SELECT)
+            vt = _dequant(vw, vi, vv, VCB, 0, ((v_hi + v_lo) / 2)[:, None], ((v_hi - v_lo) / 2)[:, None], V_BITS,
+                          V_S, V_SP, SELECT)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
     else:
         # ------------------------------------------------------------------ exact tokens

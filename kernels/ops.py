@@ -368,6 +368,7 @@ def nuq_attention(
         m_tiles, float(scaling), float(softcap or 0.0), float(kf.rope_scale),
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec, HAS_MASK=attention_mask is not None,
         HAS_SOFTCAP=softcap is not None, ROPE=rope, K_BITS=kf.bits, V_BITS=vf.bits, K_S=kf.slots, V_S=vf.slots,
+        K_SP=nuq.triton.next_power_of_2(max(kf.slots, 1)), V_SP=nuq.triton.next_power_of_2(max(vf.slots, 1)),
         FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(), SELECT=TUNING["nuq_select"],
         num_warps=TUNING["num_warps"], num_stages=2,
     )
