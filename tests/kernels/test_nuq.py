@@ -89,6 +89,12 @@ def test_decode_step_matches_reference(name, bits, kwargs):
     _compare(name, bits=bits, **kwargs)
 
 
+def test_codebook_gather_variant_matches_reference(monkeypatch):
+    """The ablation's lookup (a gather load instead of selects over the centroids) stays correct."""
+    monkeypatch.setitem(ops.TUNING, "nuq_select", False)
+    _compare("llama", steps=(70, 1))
+
+
 def test_chunk_of_queries_with_padding_mask():
     steps = (100, 7)
     s = sum(steps)
