@@ -10,7 +10,9 @@ from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
 from .methods.kvquant import KVQuantCache
+from .methods.rotated import RotatedCache
 from .models import DEFAULT_MODEL, load_model
+from .patching import unfuse
 from .presets import PRESETS, describe, make_cache
 
 __version__ = "0.1.0"
@@ -28,9 +30,11 @@ __all__ = [
     "QuantizedIntCache",
     "QuantizedKVCache",
     "QuantizedKVLayer",
+    "RotatedCache",
     "describe",
     "load_model",
     "make_cache",
+    "unfuse",
 ]
 
 _register_attention()

@@ -106,6 +106,7 @@ def hf_kvcache_attention(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    query = key.layer.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
     softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
     if kernels.use_kernels(query.device):
         out = fused_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)

@@ -147,7 +147,28 @@ def _make_layer_cache(spec: str, config):
         _CALIBRATED["model"] = _random_model(1)
         _set_attention(_CALIBRATED["model"], "hf_kvcache")
     model = _CALIBRATED["model"]
-    return make_cache(spec, model, calibration=_calibrated(model))
+    from .patching import unfuse
+
+    unfuse(model)  # each method on the model it expects (a RotatedCache fuses it again)
+    return make_cache(spec, model, **_calibration_kwargs(spec, model))
+
+
+def _calibration_kwargs(spec: str, model) -> dict:
+    """`calibration=` for the presets that read one (KVQuant), nothing for the others (RotatedCache)."""
+    import inspect
+
+    from .presets import PRESETS, parse_spec
+
+    build = PRESETS[parse_spec(spec)[0]].build
+    return {"calibration": _calibrated(model)} if "calibration" in inspect.signature(build).parameters else {}
+
+
+def _attend(q, kh, vh, scale):
+    """One decode step of the fused attention as the model runs it: the query in the stored keys' frame first
+    (RotatedCache's query rotation; nothing for the others)."""
+    from .attention import fused_attention
+
+    return fused_attention(kh.layer.rotate_query(q), kh, vh, None, scale)
 
 
 def _filled_layer(spec: str, k: torch.Tensor, v: torch.Tensor, config):
@@ -161,7 +182,7 @@ def _filled_layer(spec: str, k: torch.Tensor, v: torch.Tensor, config):
 
 
 def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
-    from .attention import fused_attention, reference_attention
+    from .attention import reference_attention
 
     config = _llama_config(1)
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -189,21 +210,21 @@ def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
             for spec in cfg.methods:
                 cache, (kh, vh) = _filled_layer(spec, k, v, config)
                 scale = d**-0.5
-                out = fused_attention(q, kh, vh, None, scale)
+                out = _attend(q, kh, vh, scale)
                 if out is None:
                     log(f"{spec}: no kernel for this layout")
                     continue
                 if b * s <= 16 * 32768:  # check against the reference where it is affordable
-                    ref = reference_attention(q, kh, vh, None, scale, chunk_tokens=4096).transpose(1, 2)
-                    err = (out.float() - ref).abs().max().item()
+                    ref = reference_attention(kh.layer.rotate_query(q), kh, vh, None, scale, chunk_tokens=4096)
+                    err = (out.float() - ref.transpose(1, 2)).abs().max().item()
                 else:
                     err = float("nan")
-                ms = _graph_ms(lambda: fused_attention(q, kh, vh, None, scale))
-                ms_eager = _bench_ms(lambda: fused_attention(q, kh, vh, None, scale))
+                ms = _graph_ms(lambda: _attend(q, kh, vh, scale))
+                ms_eager = _bench_ms(lambda: _attend(q, kh, vh, scale))
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(20):
-                    fused_attention(q, kh, vh, None, scale)
+                    _attend(q, kh, vh, scale)
                 host_us = (time.perf_counter() - t0) / 20 * 1e6  # CPU time to launch one step
                 torch.cuda.synchronize()
                 nbytes = cache.layers[0].nbytes()
@@ -306,7 +327,7 @@ def _make_e2e_cache(name: str, model):
         nbits = int(name.split("-int")[1])
         return QuantizedCache(backend="quanto", config=model.config, nbits=nbits), "sdpa"
     if _needs_model(name):
-        return make_cache(name, model, calibration=_calibrated(model)), "hf_kvcache"
+        return make_cache(name, model, **_calibration_kwargs(name, model)), "hf_kvcache"
     return make_cache(name, model), "hf_kvcache"
 
 
@@ -336,6 +357,9 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
             rows.append(dict(method=name, oom=True))
             continue
         finally:
+            from .patching import unfuse
+
+            unfuse(model)  # a RotatedCache fused its rotation: the next method gets the model it expects
             gc.collect()
             torch.cuda.empty_cache()
         rows.append(r)

@@ -429,6 +429,10 @@ class LayerPolicy:
     value_residual_length: int = 0
     key_flush: str = "fifo"
     value_flush: str = "fifo"
+    # An orthogonal rotation of the keys (`apply(x)` = x R, `apply(x, inverse=True)` = x R^T; RotatedCache):
+    # every place stores rotated keys, the attention rotates the query the same way (`rotate_query`), and the
+    # dense read path returns the keys rotated back.
+    key_rotation: object | None = None
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -487,6 +491,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         pads = _compat.left_padding(kwargs, self.cumulative_length, key_states.shape[2], key_states.shape[0])
         if pads is not None:
             self.pad_lengths = pads
+        if self.policy.key_rotation is not None:
+            key_states = self.policy.key_rotation.apply(key_states)
         self._streams["keys"].append(key_states, self.cumulative_length, self.pad_lengths)
         try:
             self._streams["values"].append(value_states, self.cumulative_length, self.pad_lengths)
@@ -503,7 +509,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.quantize_before_attention:
             # Prefill and decode attend to the exact new tokens, to the stored past (as KIVI, KVQuant, vLLM).
             x[:, :, x.shape[2] - new.shape[2] :] = new
+        if name == "keys" and self.policy.key_rotation is not None:
+            x = self.policy.key_rotation.apply(x, inverse=True)
         return x
+
+    def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The query in the frame the stored keys are in (`LayerPolicy.key_rotation`): `(B, Hq, Tq, D)`."""
+        rotation = self.policy.key_rotation
+        return query if rotation is None else rotation.apply(query)
 
     def iter_kv_chunks(
         self, k_new: torch.Tensor, v_new: torch.Tensor, chunk_tokens: int = 256

@@ -103,6 +103,7 @@ def _describe(spec: str) -> str:
 
 
 def _factory(spec: str, model):
+    from .patching import unfuse
     from .presets import make_cache
 
     def build():
@@ -112,6 +113,8 @@ def _factory(spec: str, model):
         build()
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise UsageError(f"cannot build cache {spec!r}: {error}") from error
+    finally:
+        unfuse(model)  # a RotatedCache folds its rotation into the model: each method runs on the model it expects
     return build
 
 
@@ -133,6 +136,7 @@ def run_eval(
     `model` and `tokenizer` may be given (tests pass tiny ones); otherwise `load_model(cfg.model, ...)`.
     The baseline `none` is always measured, first, in the same run: every delta is against it.
     """
+    from . import patching
     from .eval import corpus, memory, passkey, perplexity, report
 
     methods = list(dict.fromkeys(cfg.methods))
@@ -176,6 +180,8 @@ def run_eval(
     for spec in methods:
         factory = factories[spec]
         entry = {"spec": spec, "description": descriptions[spec]}
+        # Every method on the model it expects: the unfused one, which a RotatedCache's factory fuses again.
+        patching.unfuse(model)
         calibrated = getattr(factory(), "calibration", None)
         if calibrated is not None:  # which artifact a calibrated method read: its metadata, in the results
             entry["calibration"] = calibrated.metadata
@@ -209,6 +215,7 @@ def run_eval(
             )
         entries.append(entry)
         _log(_summary_line(entry, entries[0]))
+    patching.unfuse(model)  # the model leaves as it came
 
     metrics = {"model": name, "baseline": BASELINE, "methods": entries}
     config = {

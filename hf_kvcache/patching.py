@@ -212,3 +212,121 @@ def layer_ropes(model: nn.Module, tokens: int = 12) -> list[LayerRope]:
             )
         out.append(rope)
     return out
+
+
+# ---------------------------------------------------------------------------------------- value rotations
+
+
+@dataclass
+class ValueRotation:
+    """A rotation folded into a model's value and output projections (`fuse_value_rotation`). `originals` holds
+    the weights it replaced (CPU copies), which `unfuse` puts back; `active` turns False then, so that a cache
+    built on the fused model refuses to go on."""
+
+    rotation: object  # hf_kvcache.methods.rotated.Rotation
+    originals: dict[str, torch.Tensor]
+    active: bool = True
+
+
+_FUSION_ATTR = "_hf_kvcache_value_rotation"
+CONFIG_KEY = "hf_kvcache_value_rotation"  # the fused rotation's spec, recorded on the model's config
+
+
+def _value_path_problem(module: nn.Module) -> str | None:
+    if isinstance(getattr(module, "v_norm", None), nn.Module):
+        return "it normalizes values between v_proj and the cache (v_norm)"
+    for name in ("v_proj", "o_proj"):
+        if not isinstance(getattr(module, name, None), nn.Linear):
+            return f"it has no linear {name}"
+    return None
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def fuse_value_rotation(model: nn.Module, rotation) -> ValueRotation:
+    """Fold `rotation` (R, `(D, D)` orthogonal, the same for every head) into each layer's values: rows of W_v and
+    its bias become `R^T W_v[h]`, `b[h] R`, and the columns of W_o that read query head g become `W_o[:, g] R`,
+    so the model's outputs are unchanged while its cached values are `v R`. Computed in float64, stored in the
+    weights' dtype. Records the rotation's spec on `model.config` (`hf_kvcache_value_rotation`).
+
+    The same rotation again returns the existing fusion; a different one is refused. A model whose value path
+    cannot take the fold (a normalization after v_proj, no linear v_proj/o_proj), or whose logits change by more
+    than float rounding after it (checked on a probe, then the weights are restored), raises a ValueError."""
+    existing = getattr(model, _FUSION_ATTR, None)
+    if existing is not None and existing.active:
+        if existing.rotation.spec == rotation.spec:
+            return existing
+        raise ValueError(
+            f"this model is already fused with another value rotation ({existing.rotation.spec}, asked for "
+            f"{rotation.spec}): call hf_kvcache.patching.unfuse(model) first"
+        )
+    modules = attention_modules(model)
+    _, kv_heads, head_dim = attention_shape(model.config)
+    for i, m in enumerate(modules):
+        problem = _value_path_problem(m)
+        if problem:
+            raise ValueError(f"cannot fold a value rotation into layer {i} of {type(model).__name__}: {problem}; "
+                             "folding into W_v would change the model's outputs")
+        if m.v_proj.out_features != kv_heads * head_dim or m.o_proj.in_features % head_dim:
+            raise ValueError(f"layer {i}: v_proj/o_proj shapes {tuple(m.v_proj.weight.shape)}/"
+                             f"{tuple(m.o_proj.weight.shape)} do not match {kv_heads} kv-heads of head_dim {head_dim}")
+    param = next(model.parameters())
+    ids = torch.arange(3, 19, device=param.device)[None] % _compat.text_config(model.config).vocab_size
+    before = _logits(model, ids)
+    originals = {}
+    r = rotation.matrix.to(torch.float64)
+    for i, m in enumerate(modules):
+        for name, p in (("v_proj.weight", m.v_proj.weight), ("v_proj.bias", m.v_proj.bias),
+                        ("o_proj.weight", m.o_proj.weight)):
+            if p is not None:
+                originals[f"{i}.{name}"] = p.detach().to("cpu", copy=True)
+        with torch.no_grad():
+            rd = r.to(m.v_proj.weight.device)
+            w = m.v_proj.weight.double().view(kv_heads, head_dim, -1)
+            m.v_proj.weight.copy_(torch.einsum("de,hdk->hek", rd, w).reshape(m.v_proj.weight.shape))
+            if m.v_proj.bias is not None:
+                b = m.v_proj.bias.double().view(kv_heads, head_dim)
+                m.v_proj.bias.copy_((b @ rd).reshape(-1))
+            wo = m.o_proj.weight.double().view(m.o_proj.out_features, -1, head_dim)
+            m.o_proj.weight.copy_((wo @ rd).reshape(m.o_proj.weight.shape))
+    fusion = ValueRotation(rotation, originals)
+    setattr(model, _FUSION_ATTR, fusion)
+    setattr(model.config, CONFIG_KEY, dict(rotation.spec))
+    after = _logits(model, ids)
+    rtol = 1e-4 if param.dtype == torch.float32 else 5e-2
+    err = (after - before).abs().max().item()
+    if not err <= rtol * max(before.abs().max().item(), 1.0):
+        unfuse(model)
+        raise ValueError(
+            f"folding the value rotation into {type(model).__name__} changed its logits (max error {err:.2e}): "
+            "something between v_proj and the cache, or between the attention and o_proj, is not linear per head; "
+            "the weights were restored"
+        )
+    return fusion
+
+
+def current_fusion(model: nn.Module) -> ValueRotation | None:
+    """The active value rotation of `model`, or None."""
+    fusion = getattr(model, _FUSION_ATTR, None)
+    return fusion if fusion is not None and fusion.active else None
+
+
+def unfuse(model: nn.Module) -> bool:
+    """Put back the weights a value rotation replaced (exactly: the saved originals). Returns whether the model
+    was fused. Caches built on the fused model refuse to be updated afterwards."""
+    fusion = current_fusion(model)
+    if fusion is None:
+        return False
+    for i, m in enumerate(attention_modules(model)):
+        with torch.no_grad():
+            for name, p in (("v_proj.weight", m.v_proj.weight), ("v_proj.bias", m.v_proj.bias),
+                            ("o_proj.weight", m.o_proj.weight)):
+                if p is not None:
+                    p.copy_(fusion.originals[f"{i}.{name}"].to(p.device))
+    fusion.active = False
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    return True

@@ -15,6 +15,7 @@ from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
 from .methods.kvquant import KVQuantCache
+from .methods.rotated import RotatedCache
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,12 @@ for _bits, _what in ((4, "4-bit"), (3, "3-bit"), (2, "2-bit")):
         KVQuantCache.from_model, {"bits": _bits},
         f"KVQuant {_what}: calibrated NUQ codebooks, keys per channel before RoPE, values per token, 1% outliers "
         "in sparse slots, 1 sink token (needs `hf-kvcache calibrate`)", needs_model=True,
+    )
+for _bits in (4, 3, 2):
+    PRESETS[f"rotated-{_bits}"] = Preset(
+        RotatedCache.from_model, {"bits": _bits},
+        f"{_bits}-bit uniform K/V behind Hadamard rotations (QuaRot-style): values rotated through W_v/W_o (fused "
+        "into the model), keys rotated online after RoPE", needs_model=True,
     )
 
 

@@ -132,6 +132,7 @@ def quantize_uniform(
     group_size: int | None = None,
     symmetric: bool = False,
     range_search: tuple[float, ...] | None = None,
+    clip_ratio: float = 1.0,
 ) -> UniformQuantized:
     """Uniform integer quantization of `x` in groups of `group_size` consecutive elements along `axis`
     (`None`: the whole axis is one group). Returns unpacked codes and fp16 scales (and zeros).
@@ -139,12 +140,18 @@ def quantize_uniform(
     `range_search` (asymmetric only): fractions of a group's range by which each end may move inward; every
     pair is tried and each group keeps the range with the least squared error (values outside it saturate).
     None: min/max, whose error is at most half a step.
+    `clip_ratio` (asymmetric only, in (0, 1]): the range is [min * r, max * r] (QuaRot's clipping: values beyond
+    it saturate, the step shrinks).
     """
+    if not 0 < clip_ratio <= 1:
+        raise ValueError(f"clip_ratio={clip_ratio!r} must be in (0, 1]")
     _check_bits(bits)
     xg, _ = _grouped(x.float(), axis, group_size)  # (..., n/g, g)
     if symmetric:
         if bits < 2:
             raise ValueError("symmetric quantization needs at least 2 bits")
+        if clip_ratio != 1:
+            raise ValueError("clip_ratio applies to asymmetric quantization only")
         if range_search:
             raise ValueError("range_search applies to asymmetric quantization only")
         qmax = 2 ** (bits - 1) - 1
@@ -153,7 +160,7 @@ def quantize_uniform(
         safe = torch.where(scale > 0, scale.float(), torch.ones_like(absmax))
         q = torch.round(xg / safe).clamp(-qmax, qmax) + 2 ** (bits - 1)
         return UniformQuantized(_ungrouped(q.to(torch.uint8), axis), _ungrouped(scale, axis), None)
-    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    lo, hi = xg.amin(-1, keepdim=True) * clip_ratio, xg.amax(-1, keepdim=True) * clip_ratio
     q, scale, zero = _asymmetric(xg, lo, hi, bits)
     if range_search:
         best = (_dequantized(q, scale, zero) - xg).pow(2).sum(-1, keepdim=True)
@@ -284,3 +291,21 @@ def normalize_per_token(x: torch.Tensor, outliers: int) -> tuple[torch.Tensor, t
     mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
     normalized = ((inner - mid) / half).clamp(-1, 1).nan_to_num(0.0)
     return normalized, mask, lo, hi
+
+
+# ------------------------------------------------------------------------------------------------ rotations
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh-Hadamard transform along the last axis (a power of two, D): `x @ H / sqrt(D)` with H the
+    Sylvester Hadamard matrix, in float32 by log2(D) butterflies. Orthogonal and its own inverse."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Walsh-Hadamard transform needs a power-of-two length, got {d}")
+    y = x.float().reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(-1, d)
+        h *= 2
+    return (y * d**-0.5).view(x.shape)

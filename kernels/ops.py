@@ -388,11 +388,13 @@ def _bh_t_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def pack_per_token(
-    x: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool
+    x: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool,
+    clip_ratio: float = 1.0,
 ) -> None:
     """`x (B, H, T, D)` -> `out["codes"] (B, H, T, D*bits/8) uint8`, `out["scale"]` (and `out["zero"]` unless
     symmetric) `(B, H, T, D/group) fp16`, written in place (any views with a contiguous last axis).
-    Same numbers as `quant.quantize_uniform(x, bits, axis=-1, group_size=group_size, symmetric=symmetric)`."""
+    Same numbers as `quant.quantize_uniform(x, bits, axis=-1, group_size=group_size, symmetric=symmetric,
+    clip_ratio=clip_ratio)`."""
     from . import pack
 
     b, h, t, d = x.shape
@@ -403,7 +405,7 @@ def pack_per_token(
     grid = (b * h, pack.triton.cdiv(t, _PACK_BLOCK_T))
     pack._pack_per_token[grid](
         x, *_bh_t_strides(x), codes, *_bh_t_strides(codes), scale, *_bh_t_strides(scale), zero, t, h,
-        D=d, CHG=group_size or d, BITS=bits, SYM=symmetric, BLOCK_T=_PACK_BLOCK_T,
+        float(clip_ratio), D=d, CHG=group_size or d, BITS=bits, SYM=symmetric, BLOCK_T=_PACK_BLOCK_T,
     )
 
 
@@ -507,3 +509,22 @@ def pack_nuq(
         codes, *_bh_t_strides(codes), *slot_args, *side_args, t, h,
         D=d, BITS=fmt.bits, S=fmt.slots, KEYS=keys, ROPE=rope, BLOCK_T=_PACK_BLOCK_T,
     )
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """`x (..., D)` -> `x @ H / sqrt(D)` in x's dtype (computed in float32), D a power of two up to 256
+    (`quant.fwht`)."""
+    from . import hadamard as kernel
+
+    d = x.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"the Hadamard kernel takes a power-of-two head_dim in [16, 256], got {d}")
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty_like(rows)
+    block = 16
+    kernel._fwht_rows[(kernel.triton.cdiv(rows.shape[0], block),)](
+        rows, out, rows.shape[0], rows.stride(0), out.stride(0), D=d, LOG_D=d.bit_length() - 1, BLOCK=block,
+    )
+    return out.view(x.shape)

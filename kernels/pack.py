@@ -52,10 +52,11 @@ def _pack_rows(q, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 # which lets Triton vectorize the stores (see `decode._VARYING`).
 @triton.jit(do_not_specialize=("T",))
 def _pack_per_token(
-    X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, SC, ss_b, ss_h, ss_t, Z, T, H,
+    X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, SC, ss_b, ss_h, ss_t, Z, T, H, clip,
     D: tl.constexpr, CHG: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Uniform codes in per-token groups of CHG channels (`quant.quantize_uniform(axis=-1, group_size=CHG)`)."""
+    """Uniform codes in per-token groups of CHG channels (`quant.quantize_uniform(axis=-1, group_size=CHG,
+    clip_ratio=clip)`)."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)  # offsets of large caches pass 2^31
     h = (pid_bh % H).to(tl.int64)
@@ -75,8 +76,8 @@ def _pack_per_token(
         q = tl.minimum(tl.maximum(q, -qmax * 1.0), qmax * 1.0) + (1 << (BITS - 1))
     else:
         qmax = (1 << BITS) - 1
-        zero = _fp16_outward(tl.min(x, 2), False)
-        scale = _fp16_outward(tl.math.div_rn(tl.max(x, 2) - zero, qmax * 1.0), True)
+        zero = _fp16_outward(tl.min(x, 2) * clip, False)
+        scale = _fp16_outward(tl.math.div_rn(tl.max(x, 2) * clip - zero, qmax * 1.0), True)
         safe = tl.where(scale > 0, scale, 1.0)
         q = _rint(tl.math.div_rn(x - zero[:, :, None], safe[:, :, None]))
         q = tl.minimum(tl.maximum(q, 0.0), qmax * 1.0)

@@ -10,6 +10,7 @@ from hf_kvcache.methods.fp8 import QuantizedFP8Cache
 from hf_kvcache.methods.int import QuantizedIntCache
 from hf_kvcache.methods.kivi import KIVICache
 from hf_kvcache.methods.kvquant import KVQuantCache
+from hf_kvcache.methods.rotated import RotatedCache
 from hf_kvcache.presets import parse_spec
 from tests.helpers.tiny_models import tiny_model
 
@@ -18,7 +19,7 @@ from tests.helpers.tiny_models import tiny_model
 def test_every_preset_builds_and_describes_itself(spec):
     model = tiny_model("qwen3")  # head_dim 128: every group size divides it
     cache = make_cache(spec, model)
-    methods = (QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache)
+    methods = (QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache)
     assert isinstance(cache, DynamicCache if spec == "none" else methods)
     assert describe(spec)
 

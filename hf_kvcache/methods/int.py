@@ -25,9 +25,11 @@ class IntCodec(Codec):
     """Per-token uniform codes: fields `codes (B, H, T, D*bits/8) uint8`, `scale (B, H, T, D/g) fp16` and, when
     asymmetric, `zero (B, H, T, D/g) fp16` (the value of code 0)."""
 
-    def __init__(self, bits: int, group_size: int | None, symmetric: bool):
+    def __init__(self, bits: int, group_size: int | None, symmetric: bool, clip_ratio: float = 1.0):
         super().__init__()
-        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        if symmetric and clip_ratio != 1.0:
+            raise ValueError("clip_ratio applies to asymmetric codes only")
+        self.bits, self.group_size, self.symmetric, self.clip_ratio = bits, group_size, symmetric, clip_ratio
 
     def check_head_dim(self, head_dim: int) -> None:
         check_group_size(self.group_size, head_dim)
@@ -50,7 +52,8 @@ class IntCodec(Codec):
             self.encode_into(x, valid, out)
             return out
         # Per-token groups: a padding token only affects its own codes.
-        q = quantize_uniform(x, self.bits, axis=-1, group_size=self.group_size, symmetric=self.symmetric)
+        q = quantize_uniform(x, self.bits, axis=-1, group_size=self.group_size, symmetric=self.symmetric,
+                             clip_ratio=self.clip_ratio)
         fields = {"codes": pack_bits(q.codes, self.bits), "scale": q.scale}
         if q.zero is not None:
             fields["zero"] = q.zero
@@ -58,7 +61,7 @@ class IntCodec(Codec):
 
     def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
         if self._kernel(x):
-            kernels.ops.pack_per_token(x, out, self.bits, self.group_size, self.symmetric)
+            kernels.ops.pack_per_token(x, out, self.bits, self.group_size, self.symmetric, self.clip_ratio)
         else:
             super().encode_into(x, valid, out)
 
@@ -84,6 +87,7 @@ class QuantizedIntCache(QuantizedKVCache):
         symmetric: default True for 8 bits, False otherwise.
         sink_tokens: first tokens kept in the model dtype (default 0).
         residual_length: most recent tokens kept in the model dtype (default 0).
+        clip_ratio: asymmetric groups quantize the range [min * r, max * r] (default 1: no clipping).
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class QuantizedIntCache(QuantizedKVCache):
         symmetric: bool | None = None,
         sink_tokens: int = 0,
         residual_length: int = 0,
+        clip_ratio: float = 1.0,
     ):
         check_choice("bits", bits, INT_BITS, "INT8 is per-token; 4/3/2 bits are group-wise.")
         if group_size == -1:
@@ -105,12 +110,15 @@ class QuantizedIntCache(QuantizedKVCache):
         _, _, head_dim = attention_shape(config)
         check_group_size(group_size, head_dim)
         symmetric = bits == 8 if symmetric is None else bool(symmetric)
-        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        if not 0 < clip_ratio <= 1:
+            raise ValueError(f"clip_ratio={clip_ratio!r} must be in (0, 1]")
+        self.bits, self.group_size, self.symmetric, self.clip_ratio = bits, group_size, symmetric, clip_ratio
+        IntCodec(bits, group_size, symmetric, clip_ratio)  # refuses clipping of symmetric codes up front
 
         def policy(layer_idx: int) -> LayerPolicy:
             return LayerPolicy(
-                key_codec=IntCodec(bits, group_size, symmetric),
-                value_codec=IntCodec(bits, group_size, symmetric),
+                key_codec=IntCodec(bits, group_size, symmetric, clip_ratio),
+                value_codec=IntCodec(bits, group_size, symmetric, clip_ratio),
                 sink_tokens=sink_tokens,
                 key_residual_length=residual_length,
                 value_residual_length=residual_length,

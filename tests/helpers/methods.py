@@ -12,8 +12,10 @@ METHODS: list[tuple[str, dict, dict]] = [
     ("kivi-4", {"residual_length": 32}, {"residual_length": 64, "sink_tokens": 2}),
     ("kivi-2", {"residual_length": 32}, {"residual_length": 32, "sink_tokens": 3}),
     ("kvquant-3", {}, {"sink_tokens": 3, "outlier_fraction": 0.05}),
+    ("rotated-4", {}, {"sink_tokens": 2, "residual_length": 8, "group_size": 32, "clip_ratio": 0.9}),
 ]
 
 SPECS = [spec for spec, _, _ in METHODS]
-# Methods the Triton kernels read (KVQuant's pre-RoPE NUQ keys use the reference path for now).
-KERNEL_METHODS = [m for m in METHODS if not m[0].startswith("kvquant")]
+# Methods the decode-kernel tests build on a bare config (KVQuant and RotatedCache need a model: their kernel
+# paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py).
+KERNEL_METHODS = [m for m in METHODS if not m[0].startswith(("kvquant", "rotated"))]

@@ -1,0 +1,25 @@
+"""Walsh-Hadamard transform of rows: RotatedCache's online key rotation (and its query rotation) on the GPU. The
+reference is `hf_kvcache.quant.fwht`; the launcher is `ops.hadamard`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwht_rows(X, Y, n_rows, sx, sy, D: tl.constexpr, LOG_D: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows of `X (n_rows, D)` -> `Y = X @ H / sqrt(D)`, H the Sylvester Hadamard matrix: log2(D) butterfly
+    stages in registers, float32."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows[:, None] < n_rows
+    d = tl.arange(0, D)
+    x = tl.load(X + rows[:, None].to(tl.int64) * sx + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    for stage in tl.static_range(LOG_D):
+        H: tl.constexpr = 1 << stage
+        # pairs (i, i + H) inside each block of 2H channels: put the pair axis last, add and subtract
+        x4 = tl.permute(tl.reshape(x, (BLOCK, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(x4)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK, D))
+    tl.store(Y + rows[:, None].to(tl.int64) * sy + d[None, :], (x * (1.0 / tl.sqrt(D * 1.0))).to(Y.dtype.element_ty),
+             mask=ok)
