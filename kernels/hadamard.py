@@ -16,9 +16,8 @@ def _fwht_rows(X, Y, n_rows, sx, sy, D: tl.constexpr, LOG_D: tl.constexpr, BLOCK
     d = tl.arange(0, D)
     x = tl.load(X + rows[:, None].to(tl.int64) * sx + d[None, :], mask=ok, other=0.0).to(tl.float32)
     for stage in tl.static_range(LOG_D):
-        H: tl.constexpr = 1 << stage
-        # pairs (i, i + H) inside each block of 2H channels: put the pair axis last, add and subtract
-        x4 = tl.permute(tl.reshape(x, (BLOCK, D // (2 * H), 2, H)), (0, 1, 3, 2))
+        # pairs (i, i + h), h = 2^stage, inside each block of 2h channels: put the pair axis last, add, subtract
+        x4 = tl.permute(tl.reshape(x, (BLOCK, D >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))
         a, b = tl.split(x4)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK, D))
     tl.store(Y + rows[:, None].to(tl.int64) * sy + d[None, :], (x * (1.0 / tl.sqrt(D * 1.0))).to(Y.dtype.element_ty),
