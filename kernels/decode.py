@@ -265,7 +265,7 @@ def _attn_fwd(
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
-    K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
+    CAUSAL_BODY: tl.constexpr, K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
 ):
@@ -385,6 +385,9 @@ def _attn_fwd(
                 allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
                                   mask=row_ok[:, None], other=0)
                 s = tl.where(allowed != 0, s, float("-inf"))
+            elif CAUSAL_BODY:
+                # a chunk of queries whose own tokens are packed (quantize_before_attention) and no mask: causal
+                s = tl.where((n_sink + tok)[None, :] <= (stop + n_new - Tq + t)[:, None], s, float("-inf"))
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values
             if V_FMT != 3:

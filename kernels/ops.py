@@ -217,6 +217,7 @@ def decode_attention(
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
         HAS_MASK=attention_mask is not None, HAS_SOFTCAP=softcap is not None,
+        CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, query.dtype), V_OFF=_magic_offset(values.fmt, query.dtype),
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),

@@ -131,6 +131,24 @@ def test_run_eval_records_the_calibration_a_method_read(tmp_path, tiny):
     assert "calibration" not in by_spec["int8"] and "calibration" not in by_spec["none"]
 
 
+def test_run_eval_runs_each_method_on_the_model_it_expects(tmp_path):
+    """A RotatedCache fuses its rotation into the model: the methods around it, the baseline included, must see
+    the unfused model (their perplexity equals a run without the rotated method), and the model leaves unfused."""
+    from hf_kvcache.patching import current_fusion
+
+    model, tokenizer = tiny_model("llama"), byte_tokenizer()
+    cfg = tiny_config(methods=("int8", "rotated-4", "int4-g32"), protocol="stream", passkey=False)
+    _, with_rotated = run_eval(cfg, out=str(tmp_path), model=model, tokenizer=tokenizer)
+    assert current_fusion(model) is None
+    _, without = run_eval(tiny_config(methods=("int8", "int4-g32"), protocol="stream", passkey=False),
+                          out=str(tmp_path), model=model, tokenizer=tokenizer)
+    ppl = {run: {m["spec"]: m["stream"]["ppl"] for m in metrics["methods"]}
+           for run, metrics in (("with", with_rotated), ("without", without))}
+    for spec in ("none", "int8", "int4-g32"):
+        assert ppl["with"][spec] == ppl["without"][spec], spec
+    assert ppl["with"]["rotated-4"] != ppl["with"]["int4-g32"]
+
+
 def test_run_eval_memory_without_streaming(tmp_path, tiny):
     pytest.importorskip("hf_kvcache.presets")
     model, tokenizer = tiny

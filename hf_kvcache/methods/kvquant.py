@@ -71,7 +71,7 @@ class KVQuantKeyCodec(Codec):
         self.bits, self.slots, self.rope = bits, slots, rope
         self.codebook = codebook.float()
         self.lo, self.hi = lo.float(), hi.float()  # (Hkv, D) calibrated thresholds
-        self._format: NUQFormat | None = None
+        self._format: NUQFormat | bool | None = None  # the kernels' view, built on first use
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_head_dim(head_dim)
@@ -84,21 +84,24 @@ class KVQuantKeyCodec(Codec):
         return self.lo[None, :, None], self.hi[None, :, None]  # (1, H, 1, D)
 
     def packed_format(self) -> NUQFormat | None:
-        """The kernels' view (built once per device): None when the head_dim has no kernel or the model's RoPE
+        """The kernels' view (decided once per device): None when the head_dim has no kernel or the model's RoPE
         is not one the kernel can recompute (`LayerRope.frequencies`)."""
-        if getattr(self, "_format", None) is None:
-            head_dim = self.lo.shape[-1]
-            if not kernels.head_dim_ok(head_dim) or head_dim < 32:
+        if self._format is None:
+            self._format = self._kernel_format() or False  # False: decided, no kernel
+        return self._format or None
+
+    def _kernel_format(self) -> NUQFormat | None:
+        head_dim = self.lo.shape[-1]
+        if not kernels.head_dim_ok(head_dim) or head_dim < 32:
+            return None
+        inv_freq, scale = None, 1.0
+        if self.rope is not None:
+            found = self.rope.frequencies(head_dim, self.lo.device)
+            if found is None:
                 return None
-            inv_freq, scale = None, 1.0
-            if self.rope is not None:
-                found = self.rope.frequencies(head_dim, self.lo.device)
-                if found is None:
-                    return None
-                inv_freq, scale = found
-            self._format = NUQFormat(self.bits, self.codebook, self.slots, mid=(self.hi + self.lo) / 2,
-                                     half=(self.hi - self.lo) / 2, inv_freq=inv_freq, rope_scale=scale)
-        return self._format
+            inv_freq, scale = found
+        return NUQFormat(self.bits, self.codebook, self.slots, mid=(self.hi + self.lo) / 2, half=(self.hi - self.lo) / 2,
+                         inv_freq=inv_freq, rope_scale=scale)
 
     def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor],
                     positions: torch.Tensor | None = None) -> None:

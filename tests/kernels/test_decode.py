@@ -133,6 +133,13 @@ def test_paper_protocol_reads_the_stored_new_tokens(spec):
     _compare(spec, kwargs, steps=(90, 1), quantize_before=True)
 
 
+def test_paper_protocol_chunk_without_a_mask_stays_causal():
+    """A chunk of queries whose own tokens are already packed (quantize_before_attention) and no mask (what
+    transformers passes for a causal chunk without padding): whole body tiles hold this chunk's tokens, and no
+    query may see the ones after it."""
+    _compare("int4-g32", {}, steps=(150, 100), quantize_before=True)
+
+
 @pytest.mark.parametrize("spec,kwargs,prefill", [("kivi-2", {"residual_length": 32}, 100),
                                                  ("int4-g32", {"sink_tokens": 1, "residual_length": 16}, 3)])
 def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec, kwargs, prefill):
