@@ -233,6 +233,20 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK: tl.constexpr):
+    """Scores `s (BLOCK_M, BLOCK_N)` of query rows at positions `t` against tokens `kpos (BLOCK_N,)` (`ok`: real
+    tokens): -inf where the boolean mask forbids (HAS_MASK), else where the token is past the row's causal limit
+    (the row attends to the first `s_total - Tq + t + 1` tokens)."""
+    if HAS_MASK:
+        allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
+                          mask=row_ok[:, None] & ok[None, :], other=0)
+        s = tl.where(allowed != 0, s, float("-inf"))
+    else:
+        s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """Raw q.k -> base-2 logits: times the softmax scale, optional tanh soft-capping (Gemma 2), times log2(e)."""
     s = s * scale
@@ -441,12 +455,7 @@ def _attn_fwd(
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npk, nrk, stop, n_new, DT,
                              K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM)
             s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
-            if HAS_MASK:
-                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
-                                  mask=row_ok[:, None] & ok[None, :], other=0)
-                s = tl.where(allowed != 0, s, float("-inf"))
-            else:
-                s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+            s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _place_tile(vs, vr, vn, vc, vsc, vz, svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale,
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, stop, n_new, DT,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dot, _finish_scores, _softmax_step
+from .decode import _dot, _finish_scores, _mask_scores, _softmax_step
 from .pack import _fp16_outward
 
 
@@ -221,13 +221,7 @@ def _nuq_attn(
                 k1 = r1
             s = _dot(q1, tl.trans(k1.to(DT)), PREC) + _dot(q2, tl.trans(k2.to(DT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
-            kpos = n_sink + tok
-            if HAS_MASK:
-                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
-                                  mask=row_ok[:, None] & ok[None, :], other=0)
-                s = tl.where(allowed != 0, s, float("-inf"))
-            else:
-                s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+            s = _mask_scores(s, MASK, b, t, n_sink + tok, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _dequant(vw, vi, vv, VCB, 0, ((v_hi + v_lo) / 2)[:, None], ((v_hi - v_lo) / 2)[:, None], V_BITS,
                           V_S, V_SP, SELECT)
@@ -256,12 +250,7 @@ def _nuq_attn(
             kt = _dense_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
             s = _finish_scores(_dot(q, tl.trans(kt.to(DT)), PREC), sm_scale, softcap, HAS_SOFTCAP)
-            if HAS_MASK:
-                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
-                                  mask=row_ok[:, None] & ok[None, :], other=0)
-                s = tl.where(allowed != 0, s, float("-inf"))
-            else:
-                s = tl.where(ok[None, :] & (kpos[None, :] <= (s_total - Tq + t)[:, None]), s, float("-inf"))
+            s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _dense_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
