@@ -4,6 +4,7 @@
     hf-kvcache eval --methods ... any methods, protocols and sizes (compare is eval with its defaults)
     hf-kvcache calibrate          FP8 scales, key thresholds and NUQ codebooks of a model, in one artifact file
     hf-kvcache bench              GPU benchmarks (kernels, end to end, capacity)
+    hf-kvcache lm-eval ARGS       lm-eval's command line with the `hf-kvcache` model and the offline tasks
 
 Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
 table. A bad method spec is reported in one line with exit status 2.
@@ -361,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     cal.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     cal.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sub.add_parser(
+        "lm-eval", add_help=False,
+        help="lm-eval's own command line, with the `hf-kvcache` model type and the offline tasks "
+        "(e.g. hf-kvcache lm-eval --model hf-kvcache --model_args kv_cache=kivi-2 --tasks hf_kvcache_passkey)",
+    )
     bench = sub.add_parser(
         "bench",
         help="GPU benchmarks: decode-attention kernels, end-to-end generate, capacity",
@@ -432,6 +438,11 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `hf-kvcache`; returns the exit status (0 ok, 2 usage error)."""
+    raw = sys.argv[1:] if argv is None else list(argv)
+    if raw[:1] == ["lm-eval"]:  # everything after it is lm-eval's own command line
+        from .eval import lm_eval
+
+        return lm_eval.cli(raw[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     full_argv = ["hf-kvcache", *(sys.argv[1:] if argv is None else argv)]
