@@ -5,6 +5,7 @@
     hf-kvcache calibrate          FP8 scales, key thresholds and NUQ codebooks of a model, in one artifact file
     hf-kvcache bench              GPU benchmarks (kernels, end to end, capacity)
     hf-kvcache lm-eval ARGS       lm-eval's command line with the `hf-kvcache` model and the offline tasks
+    hf-kvcache report DIR...      results directories merged into one table and one quality-vs-bytes figure
 
 Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
 table. A bad method spec is reported in one line with exit status 2.
@@ -362,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     cal.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     cal.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rep = sub.add_parser("report", help="merge results directories into one table and one quality-vs-bytes figure")
+    rep.add_argument("dirs", nargs="+", metavar="DIR", help="results directories written by eval/compare")
+    rep.add_argument("--out", default="results", help="parent folder of the report's directory (default: results/)")
+    rep.add_argument("--protocol", choices=("stream", "paper"), default="stream", help="the figure's perplexity")
     sub.add_parser(
         "lm-eval", add_help=False,
         help="lm-eval's own command line, with the `hf-kvcache` model type and the offline tasks "
@@ -450,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "report":
+        return _report(args, full_argv)
     try:
         cfg = config_from_args(args)
         if args.threads is not None:
@@ -483,6 +490,19 @@ def calibration_ids(tokenizer, text: str | None, tokens: int):
     part = ids[start : start + tokens]
     name = "dev corpus (pydoc_data.topics)" if text is None else str(text)
     return part[None], f"{name}, tokens {start}..{start + len(part)} of {len(ids)}"
+
+
+def _report(args: argparse.Namespace, argv: list[str]) -> int:
+    from .eval import report
+
+    missing = [d for d in args.dirs if not (Path(d) / "metrics.json").is_file()]
+    if missing:
+        print(f"hf-kvcache: error: not a results directory (no metrics.json): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    path = report.write_report(args.dirs, args.out, protocol=args.protocol, argv=argv)
+    print((path / "table.md").read_text())
+    print(f"report: {path}")
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -149,6 +149,24 @@ def test_run_eval_runs_each_method_on_the_model_it_expects(tmp_path):
     assert ppl["with"]["rotated-4"] != ppl["with"]["int4-g32"]
 
 
+def test_report_merges_runs_into_one_table_and_figure(tmp_path, tiny, capsys):
+    from hf_kvcache.cli import main
+
+    model, tokenizer = tiny
+    runs = [run_eval(tiny_config(methods=methods, protocol="stream", passkey=False), out=str(tmp_path / "r"),
+                     model=model, tokenizer=tokenizer)[0] for methods in (("int8", "int4-g32"), ("int2-g32:sink_tokens=2",))]
+    assert main(["report", *map(str, runs), "--out", str(tmp_path / "reports")]) == 0
+    (path,) = (tmp_path / "reports").iterdir()
+    table = (path / "table.md").read_text()
+    assert table.count("| `none` |") == 1  # the baseline once; every delta is per run
+    for spec in ("int8", "int4-g32", "int2-g32:sink_tokens=2"):
+        assert f"| `{spec}` |" in table
+    assert (path / "quality_vs_bytes.png").stat().st_size > 10_000
+    assert json.loads((path / "config.json").read_text())["runs"] == [str(r) for r in runs]
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.json" in capsys.readouterr().err
+
+
 def test_run_eval_memory_without_streaming(tmp_path, tiny):
     pytest.importorskip("hf_kvcache.presets")
     model, tokenizer = tiny

@@ -273,3 +273,87 @@ def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str =
     finally:
         plt.close(fig)
     return Path(path)
+
+
+def _family(spec: str) -> str:
+    """A method's family for the report's lines: the preset's name without its width (`int4-g32` -> `int`,
+    `rotated-3` -> `rotated`, `kvquant-2` -> `kvquant`, `fp8-e4m3` -> `fp8`)."""
+    name = spec.split(":", 1)[0]
+    return "fp8" if name.startswith("fp8") else re.match(r"[a-z]+", name).group(0)
+
+
+def report_rows(dirs: list[str | os.PathLike]) -> list[dict]:
+    """`table_rows` of every results directory in `dirs`, in order, each row with its `run` (the directory's
+    name); the baseline `none` is kept once (the first run's), since every delta is already per run."""
+    rows, seen_baseline = [], False
+    for d in dirs:
+        metrics, _ = load_results(d)
+        for row in table_rows(metrics):
+            if row["method"] == metrics.get("baseline"):
+                if seen_baseline:
+                    continue
+                seen_baseline = True
+            rows.append({**row, "run": Path(d).name})
+    return rows
+
+
+def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol: str = "stream",
+                          title: str = "") -> Path:
+    """One line per method family (the presets without overrides, joined in order of bytes: `int4-g64`,
+    `int4-g32`, ... or `rotated-4`, `-3`, `-2`), perplexity change (%, symlog) against bytes per token / 16-bit
+    cache; specs with overrides are unlabelled hollow markers (the table names them)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.0, 5.5), dpi=120)
+    try:
+        ax.axhline(0.0, color="0.6", lw=0.8)
+        families: dict[str, list[tuple[float, float, str]]] = {}
+        extras = []
+        for r in rows:
+            x, y = r.get("bytes_ratio"), r.get(f"{protocol}_delta_pct")
+            if x is None or y is None or r["method"] == "none":
+                continue
+            (extras if ":" in r["method"] else families.setdefault(_family(r["method"]), [])).append(
+                (x, y, r["method"]))
+        for i, (family, points) in enumerate(sorted(families.items())):
+            points.sort()
+            color = f"C{i % 10}"
+            ax.plot([p[0] for p in points], [p[1] for p in points], "-o", color=color, ms=5, label=family)
+            for x, y, name in points:
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+        if extras:  # ablations and variants: unlabelled here (they would crowd the lines), named in the table
+            ax.scatter([e[0] for e in extras], [e[1] for e in extras], s=30, facecolors="none", edgecolors="0.4",
+                       zorder=3, label="specs with overrides (see the table)")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_xlabel("bytes per token / 16-bit cache")
+        ax.set_ylabel(f"{protocol} perplexity change vs `none` of the same run (%)")
+        ax.set_title(f"quality vs KV-cache memory {('- ' + title) if title else ''}".strip())
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return Path(path)
+
+
+def write_report(dirs: list[str | os.PathLike], out: str | os.PathLike, *, protocol: str = "stream",
+                 argv: list[str] | None = None) -> Path:
+    """Merge results directories into a new one (`report__<n>runs__<date>`): `table.md` (every run's methods,
+    deltas against each run's own baseline, and the list of runs), `quality_vs_bytes.png`
+    (`plot_quality_vs_bytes`) and `config.json` (the runs, the command line, versions)."""
+    if not dirs:
+        raise ValueError("give at least one results directory")
+    rows = report_rows(dirs)
+    models = sorted({str(r.get("model")) for r in rows})
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = create_results_dir(out, f"report__{len(dirs)}runs__{safe_label('+'.join(models))}__{stamp}")
+    sources = "\n".join(f"- `{Path(d).name}`" for d in dirs)
+    (path / "table.md").write_text(f"{format_table(rows)}\n\n{TABLE_NOTE}\n\nRuns:\n{sources}\n")
+    plot_quality_vs_bytes(rows, path / "quality_vs_bytes.png", protocol=protocol, title=", ".join(models))
+    _write_json(path / "config.json", {"command": "report", "runs": [str(d) for d in dirs], "protocol": protocol,
+                                       **environment(argv)})
+    return path
