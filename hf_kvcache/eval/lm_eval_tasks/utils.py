@@ -55,3 +55,23 @@ def ppl_results(doc: dict, results: list) -> dict:
     n_bytes = len(doc["text"].encode("utf-8"))
     return {"word_perplexity": (loglikelihood, n_words), "byte_perplexity": (loglikelihood, n_bytes),
             "bits_per_byte": (loglikelihood, n_bytes)}
+
+
+def topics_dataset(n_docs: int = 100, passage_chars: int = 600, n_choices: int = 4, seed: int = 0,
+                   **_) -> dict[str, datasets.Dataset]:
+    """Multiple choice from `pydoc_data.topics`: `passage` (the first `passage_chars` characters of a topic, cut at
+    a word), `choices` (its name and `n_choices - 1` others, shuffled with `seed`), `label` (the right index)."""
+    import random
+
+    from pydoc_data.topics import topics
+
+    keys = [k for k in sorted(topics) if len(topics[k].strip()) >= passage_chars]
+    step = max(len(keys) // int(n_docs), 1)
+    rows = []
+    for i, key in enumerate(keys[::step][: int(n_docs)]):
+        rng = random.Random(f"topics-{seed}-{key}")
+        choices = [key, *rng.sample([k for k in keys if k != key], int(n_choices) - 1)]
+        rng.shuffle(choices)
+        text = topics[key].strip()[: int(passage_chars)]
+        rows.append({"passage": text.rsplit(" ", 1)[0], "choices": choices, "label": choices.index(key)})
+    return {"test": datasets.Dataset.from_list(rows)}
