@@ -52,18 +52,19 @@ def test_a_spec_with_overrides_and_a_bad_spec():
 
 @pytest.mark.parametrize("kv_cache", ["none", "int2-g32"])
 def test_offline_tasks_run_through_simple_evaluate(kv_cache):
-    """Both offline tasks, from the package's task folder, no network: a perplexity task (loglikelihood) and
-    passkey retrieval (generation, left-padded batches)."""
+    """The offline tasks, from the package's task folder, no network: a perplexity task (loglikelihood rolling),
+    multiple choice (loglikelihood) and passkey retrieval (generation, left-padded batches)."""
     tok = byte_tokenizer()
     grid = {"n_docs": 2, "min_chars": 300, "lengths": [120, 200], "depths": [0.5], "tokenizer": tok}
     out = simple_evaluate(
-        model=_lm(kv_cache), tasks=["hf_kvcache_ppl", "hf_kvcache_passkey"],
+        model=_lm(kv_cache), tasks=["hf_kvcache_ppl", "hf_kvcache_passkey", "hf_kvcache_topics"],
         task_manager=TaskManager(include_path=str(tasks_dir()), metadata=grid),
     )
     ppl = out["results"]["hf_kvcache_ppl"]
     assert ppl["word_perplexity,none"] > 1 and 0 < ppl["bits_per_byte,none"]
     assert 0 <= out["results"]["hf_kvcache_passkey"]["acc,none"] <= 1
     assert len(out["samples"]["hf_kvcache_passkey"]) == 2
+    assert 0 <= out["results"]["hf_kvcache_topics"]["acc,none"] <= 1 and len(out["samples"]["hf_kvcache_topics"]) == 2
 
 
 @pytest.mark.slow
