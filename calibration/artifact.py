@@ -34,6 +34,7 @@ from hf_kvcache.quant import FP8_FORMATS, fp8_max
 FORMAT_VERSION = 1
 METHOD = "hf-kvcache-calibration"
 METADATA_KEY = "hf_kvcache"
+CHECKSUM_KEY = "hf_kvcache_sha256"  # beside the metadata in the safetensors header: sha256 of the tensors
 RECALIBRATE = "run `hf-kvcache calibrate` for this model (or pass calibration=PATH to a matching artifact)"
 
 
@@ -137,9 +138,28 @@ def _required(meta: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# Bounds on what an artifact's metadata may declare: an untrusted file must not make the loader loop over a billion
+# layers or promise tensors of absurd shapes before anything is compared with the model.
+_SIZE_LIMITS = {"num_hidden_layers": 4096, "num_key_value_heads": 4096, "head_dim": 4096}
+
+
+def _check_sizes(meta: dict) -> None:
+    fp, bits = meta["fingerprint"], meta["bits"]
+    if not isinstance(fp, dict):
+        raise ValueError(f"calibration fingerprint is {type(fp).__name__}, not a mapping; {RECALIBRATE}")
+    for key, limit in _SIZE_LIMITS.items():
+        value = fp.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+            raise ValueError(f"calibration fingerprint {key}={value!r} is not an integer in 1..{limit}; {RECALIBRATE}")
+    if not isinstance(bits, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in bits):
+        raise ValueError(f"calibration bit widths {bits!r} are not a list of integers; {RECALIBRATE}")
+
+
 def validate(cal: Calibration) -> None:
     """Raise a ValueError saying what is wrong with a calibration's metadata or tensors."""
     meta = cal.metadata
+    if not isinstance(meta, dict):
+        raise ValueError(f"calibration metadata is {type(meta).__name__}, not a mapping; {RECALIBRATE}")
     if meta.get("method") != METHOD:
         raise ValueError(f"not an hf-kvcache calibration (method {meta.get('method')!r}); {RECALIBRATE}")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -150,10 +170,18 @@ def validate(cal: Calibration) -> None:
     for key in ("fingerprint", "bits", "outlier_fraction", "weighting", "text", "tokens"):
         if key not in meta:
             raise ValueError(f"calibration metadata misses {key!r}; {RECALIBRATE}")
+    _check_sizes(meta)
     bad_bits = [b for b in meta["bits"] if b not in (1, 2, 3, 4, 5, 6, 7, 8)]
     if bad_bits:
         raise ValueError(f"calibration bit widths {bad_bits} are not in 1..8; {RECALIBRATE}")
-    for name, shape in _required(meta).items():
+    if len(set(meta["bits"])) != len(meta["bits"]):
+        raise ValueError(f"calibration bit widths {meta['bits']} repeat; {RECALIBRATE}")
+    required = _required(meta)
+    unexpected = sorted(set(cal.tensors) - set(required))
+    if unexpected:  # tensors its metadata does not declare: the metadata was changed, or another tool wrote it
+        raise ValueError(f"calibration holds tensors its metadata does not declare ({', '.join(unexpected[:3])}"
+                         f"{', ...' if len(unexpected) > 3 else ''}); {RECALIBRATE}")
+    for name, shape in required.items():
         t = cal.tensors.get(name)
         if t is None:
             raise ValueError(
@@ -169,15 +197,27 @@ def validate(cal: Calibration) -> None:
             raise ValueError(f"calibration codebook {name!r} is not sorted; {RECALIBRATE}")
 
 
+def _checksum(metadata: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the metadata's JSON text and every tensor's name, dtype, shape and bytes, in name order: stored
+    in the header, so a file changed after it was written (a flipped byte anywhere) is refused instead of loaded."""
+    h = hashlib.sha256(metadata.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def save(cal: Calibration, path: str | os.PathLike) -> Path:
     """Write `cal` to `path` (a `.safetensors` file; written to a temporary name and renamed, so a reader never
-    sees half a file). Returns the path."""
+    sees half a file), with a checksum of its tensors in the metadata. Returns the path."""
     validate(cal)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in cal.tensors.items()}
-    save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(cal.metadata, sort_keys=True)})
+    text = json.dumps(cal.metadata, sort_keys=True)
+    save_file(tensors, str(tmp), metadata={METADATA_KEY: text, CHECKSUM_KEY: _checksum(text, tensors)})
     os.replace(tmp, path)
     return path
 
@@ -189,7 +229,8 @@ def load(path: str | os.PathLike, config=None) -> Calibration:
         raise FileNotFoundError(f"no calibration at {path}; {RECALIBRATE}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(METADATA_KEY)
+            header = f.metadata() or {}
+            raw, stored = header.get(METADATA_KEY), header.get(CHECKSUM_KEY)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path} is not a readable safetensors file (corrupt or truncated: {e}); {RECALIBRATE}") from e
@@ -201,6 +242,9 @@ def load(path: str | os.PathLike, config=None) -> Calibration:
         raise ValueError(f"{path}: the calibration metadata is not valid JSON ({e}); {RECALIBRATE}") from e
     cal = Calibration(metadata=metadata, tensors=tensors)
     validate(cal)
+    if stored is not None and stored != _checksum(raw, tensors):  # artifacts written before the checksum have none
+        raise ValueError(f"{path}: the tensors do not match the checksum written with them (changed or damaged "
+                         f"after it was saved); {RECALIBRATE}")
     if config is not None:
         cal.check(config)
     return cal

@@ -108,3 +108,96 @@ def test_a_model_without_recognizable_attention_is_refused():
         del layer.self_attn.k_proj
     with pytest.raises(ValueError, match="does not recognize this model's attention"):
         calibration.calibrate(model, tiny_input_ids(model, batch=1, length=8), progress=False)
+
+
+# ------------------------------------------------------------------------------------ hostile files (fuzzed)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _refused(path) -> str:
+    """Load `path`: it must raise a ValueError (never another exception, never load)."""
+    try:
+        calibration.load(path)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("a damaged artifact was loaded")
+
+
+@_FUZZ
+@given(cut=st.floats(0.0, 0.999))
+def test_fuzz_truncated_files(artifact, tmp_path, cut):
+    data = artifact.read_bytes()
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes(data[: int(cut * len(data))])
+    assert "hf-kvcache calibrate" in _refused(bad)
+
+
+@_FUZZ
+@given(where=st.floats(0.0, 0.999), byte=st.integers(1, 255))
+def test_fuzz_a_changed_byte_anywhere(artifact, tmp_path, where, byte):
+    """A byte XORed anywhere, header or data: a parse error, a metadata error or a checksum mismatch (the checksum
+    covers the metadata's text and every tensor). A change that leaves the content identical (JSON whitespace in
+    the header's padding) may load, and then loads exactly the original."""
+    data = bytearray(artifact.read_bytes())
+    data[int(where * len(data))] ^= byte
+    bad = tmp_path / "flip.safetensors"
+    bad.write_bytes(bytes(data))
+    try:
+        got = calibration.load(bad)
+    except ValueError:
+        return
+    want = calibration.load(artifact)
+    assert got.metadata == want.metadata and all(torch.equal(got.tensors[k], v) for k, v in want.tensors.items())
+
+
+def _raw_file(header: bytes, body: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + body
+
+
+@_FUZZ
+@given(meta=st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                     max_size=4), max_leaves=12))
+def test_fuzz_wrong_metadata(artifact, tmp_path, meta):
+    """Any JSON value as the metadata, and any value under each of the real metadata's keys."""
+    real = calibration.load(artifact)
+    tensors = {k: v.contiguous() for k, v in real.tensors.items()}
+    for metadata in (meta, {**real.metadata, "fingerprint": meta}, {**real.metadata, "bits": meta}):
+        bad = tmp_path / "meta.safetensors"
+        save_file(tensors, str(bad), metadata={"hf_kvcache": json.dumps(metadata)})
+        _refused(bad)
+
+
+@pytest.mark.parametrize("header", [
+    b"\xff\xfe{not utf-8}",  # non-UTF-8 header
+    json.dumps({"__metadata__": {"hf_kvcache": "{}"}, "x": {"dtype": "F32", "shape": [1 << 40, 1 << 20],
+                                                             "data_offsets": [0, 1 << 62]}}).encode(),  # huge sizes
+    json.dumps({"x": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}).encode(),  # unknown dtype
+])
+def test_hostile_headers_are_refused_without_allocating(tmp_path, header):
+    bad = tmp_path / "hostile.safetensors"
+    bad.write_bytes(_raw_file(header, b"\0" * 8))
+    _refused(bad)
+
+
+def test_huge_declared_layer_counts_are_refused_before_looping(artifact, tmp_path):
+    real = calibration.load(artifact)
+    fp = {**real.metadata["fingerprint"], "num_hidden_layers": 10**12}
+    bad = tmp_path / "huge.safetensors"
+    save_file({k: v.contiguous() for k, v in real.tensors.items()}, str(bad),
+              metadata={"hf_kvcache": json.dumps({**real.metadata, "fingerprint": fp})})
+    assert "num_hidden_layers" in _refused(bad)
+
+
+def test_wrong_dtype_and_shape_are_refused(artifact, tmp_path):
+    real = calibration.load(artifact)
+    name = next(k for k in real.tensors if k.endswith(".k_pre.lo"))
+    for bad_tensor in (real.tensors[name][:1], real.tensors[name].to(torch.float64) * float("inf")):
+        bad = tmp_path / "t.safetensors"
+        tensors = {**{k: v.contiguous() for k, v in real.tensors.items()}, name: bad_tensor.contiguous()}
+        save_file(tensors, str(bad), metadata={"hf_kvcache": json.dumps(real.metadata)})
+        _refused(bad)
