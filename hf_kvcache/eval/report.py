@@ -221,6 +221,18 @@ def format_table(rows: list[dict], *, with_model: bool | None = None) -> str:
     return "\n".join(lines)
 
 
+def _finish(fig, ax, path, ylabel: str, title: str, legend_loc: str) -> None:
+    """The axes both figures share (symlog perplexity change against bytes per token), then save."""
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("bytes per token / 16-bit cache")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc=legend_loc)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> Path:
     """Scatter of perplexity delta (%) against bytes per token / 16-bit cache, one labelled point per
     method: filled for the streaming protocol, hollow for the paper protocol. The y axis is symlog, since
@@ -262,14 +274,8 @@ def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str =
                     else f"{r['method']} ({r['model']})"
                 )
                 ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-        ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_xlabel("bytes per token / 16-bit cache")
-        ax.set_ylabel("perplexity change vs the unquantized baseline `none` (%)")
-        ax.set_title(f"perplexity vs KV-cache memory {('- ' + title) if title else ''}".strip())
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-        fig.tight_layout()
-        fig.savefig(path)
+        _finish(fig, ax, path, "perplexity change vs the unquantized baseline `none` (%)",
+                f"perplexity vs KV-cache memory {('- ' + title) if title else ''}".strip(), "best")
     finally:
         plt.close(fig)
     return Path(path)
@@ -327,14 +333,8 @@ def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol
         if extras:  # ablations and variants: unlabelled here (they would crowd the lines), named in the table
             ax.scatter([e[0] for e in extras], [e[1] for e in extras], s=30, facecolors="none", edgecolors="0.4",
                        zorder=3, label="specs with overrides (see the table)")
-        ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_xlabel("bytes per token / 16-bit cache")
-        ax.set_ylabel(f"{protocol} perplexity change vs `none` of the same run (%)")
-        ax.set_title(f"quality vs KV-cache memory {('- ' + title) if title else ''}".strip())
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
-        fig.tight_layout()
-        fig.savefig(path)
+        _finish(fig, ax, path, f"{protocol} perplexity change vs `none` of the same run (%)",
+                f"quality vs KV-cache memory {('- ' + title) if title else ''}".strip(), "upper right")
     finally:
         plt.close(fig)
     return Path(path)
