@@ -464,19 +464,19 @@ def pack_nuq(
     fmt: NUQFormat,
     midpoints: torch.Tensor,
     *,
-    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_norm: tuple[torch.Tensor, ...] | None = None,
     positions: torch.Tensor | None = None,
 ) -> None:
     """KVQuant's encode in place: `x (B, H, T, D)` -> `out["codes"] (B, H, T, D*b/8)`, `out["out_idx"]`/`out["out_val"]
-    (B, H, T, s)`; keys (`key_range` = calibrated `(lo, hi) (H, D)` float32, `fmt.mid`/`fmt.half` the encode's
-    normalization) also `out["pos"] (B, 1, T)` from `positions (B, T)` when `fmt.inv_freq` is set (RoPE undone at
+    (B, H, T, s)`; keys (`key_norm` = calibrated `(lo, hi)` and the encode's normalization `(mid, half)`, each
+    `(H, D)` float32 contiguous on x's device, half clamped above 0 as `quant.normalize_per_channel` does) also `out["pos"] (B, 1, T)` from `positions (B, T)` when `fmt.inv_freq` is set (RoPE undone at
     those positions); values also `out["lo"]`/`out["hi"] (B, H, T, 1) fp16`. `midpoints (2^b - 1,)` float32: the
     codebook's decision boundaries. Same numbers as `methods.kvquant`'s codecs up to the rounding of the RoPE
     angles (keys) and of fp32 products."""
     from . import nuq
 
     b, h, t, d = x.shape
-    keys = key_range is not None
+    keys = key_norm is not None
     rope = keys and fmt.inv_freq is not None
     codes = out["codes"]
     dev = x.device
@@ -496,9 +496,7 @@ def pack_nuq(
     else:
         pos_args = [x, 0, 0, midpoints, 1.0]
     if keys:
-        lo, hi = (r.to(dev, torch.float32).contiguous() for r in key_range)
-        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)  # as normalize_per_channel
-        range_args = [lo, hi, mid, half]
+        range_args = list(key_norm)
         side_args = [codes, codes, 0, 0, 0]
     else:
         range_args = [midpoints] * 4

@@ -72,6 +72,7 @@ class KVQuantKeyCodec(Codec):
         self.codebook = codebook.float()
         self.lo, self.hi = lo.float(), hi.float()  # (Hkv, D) calibrated thresholds
         self._format: NUQFormat | bool | None = None  # the kernels' view, built on first use
+        self._pack_args: tuple | None = None  # the pack kernel's midpoints and normalization, built on first use
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_head_dim(head_dim)
@@ -80,7 +81,7 @@ class KVQuantKeyCodec(Codec):
         if self.lo.device != device:
             # once, not a copy every step
             self.lo, self.hi, self.codebook = self.lo.to(device), self.hi.to(device), self.codebook.to(device)
-            self._format = None
+            self._format = self._pack_args = None
         return self.lo[None, :, None], self.hi[None, :, None]  # (1, H, 1, D)
 
     def packed_format(self) -> NUQFormat | None:
@@ -110,8 +111,12 @@ class KVQuantKeyCodec(Codec):
         if fmt is None:
             super().encode_into(x, valid, out, positions=positions)
             return
-        kernels.ops.pack_nuq(x, out, fmt, _midpoints(self.codebook), key_range=(self.lo, self.hi),
-                             positions=positions if self.rope is not None else None)
+        if self._pack_args is None:  # once per device, not every decode step
+            mid, half = (self.hi + self.lo) / 2, ((self.hi - self.lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+            norm = tuple(t.contiguous() for t in (self.lo, self.hi, mid, half))  # as normalize_per_channel
+            self._pack_args = (_midpoints(self.codebook), norm)
+        midpoints, norm = self._pack_args
+        kernels.ops.pack_nuq(x, out, fmt, midpoints, key_norm=norm, positions=positions if self.rope is not None else None)
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None
                ) -> dict[str, torch.Tensor]:
@@ -149,6 +154,7 @@ class KVQuantValueCodec(Codec):
     def __init__(self, bits: int, codebook: torch.Tensor, slots: int):
         super().__init__()
         self.bits, self.codebook, self.slots = bits, codebook.float(), slots
+        self._midpoints = _midpoints(self.codebook)  # the pack kernel's decision boundaries
 
     def check_head_dim(self, head_dim: int) -> None:
         _check_head_dim(head_dim)
@@ -160,9 +166,10 @@ class KVQuantValueCodec(Codec):
         if not (kernels.use_kernels(x.device) and kernels.head_dim_ok(x.shape[-1]) and x.shape[-1] >= 32):
             super().encode_into(x, valid, out)
             return
-        if self.codebook.device != x.device:
+        if self.codebook.device != x.device:  # once per device, with the midpoints
             self.codebook = self.codebook.to(x.device)
-        kernels.ops.pack_nuq(x, out, self.packed_format(), _midpoints(self.codebook))
+            self._midpoints = _midpoints(self.codebook)
+        kernels.ops.pack_nuq(x, out, self.packed_format(), self._midpoints)
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         x = x.float()
