@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers' QuantizedCache, and the batch that fits a memory budget. Needs a CUDA GPU.",
     )
     bench.add_argument(
-        "--parts", default="kernel,e2e,capacity", help="kernel, e2e, capacity (default), and sweep (launch parameters)"
+        "--parts", default=None,
+        help="kernel, e2e, capacity (the default three), sweep (launch parameters) and multi_gpu (see --multi-gpu)"
     )
     bench.add_argument("--methods", default=None, help="cache specs (default: FP8, INT8, INT4, INT2 and KIVI, bench.KERNEL_SPECS)")
     bench.add_argument("--batches", default="1,16,64", help="kernel grid batches")
@@ -389,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--e2e-layers", type=int, default=8, help="decoder layers of the 8B-shaped model")
     bench.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per end-to-end run")
     bench.add_argument("--budget-gb", type=float, default=80.0, help="KV memory budget of the capacity part")
+    bench.add_argument(
+        "--multi-gpu", action="store_true",
+        help="the multi-GPU part only (unless --parts names others too): a Llama-3-8B-shaped model on one GPU and "
+        "split over every visible GPU as device_map='auto' splits it; decode tokens/s at --e2e-batch x --e2e-context "
+        "and the largest batch that runs there, for DynamicCache and each method",
+    )
+    bench.add_argument("--multi-gpu-layers", type=int, default=32, help="decoder layers of the multi-GPU model")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -541,10 +549,17 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, run
 
     try:
-        parts = tuple(p for p in args.parts.split(",") if p)
-        unknown = set(parts) - {"kernel", "e2e", "capacity", "sweep"}
+        if args.parts is None:
+            parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
+        else:
+            parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
+        unknown = set(parts) - {"kernel", "e2e", "capacity", "sweep", "multi_gpu"}
         if unknown:
-            raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, capacity, sweep")
+            raise UsageError(
+                f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, capacity, sweep, multi_gpu"
+            )
+        if "multi_gpu" in parts and torch.cuda.device_count() < 2:
+            raise UsageError(f"--multi-gpu needs at least 2 CUDA GPUs, {torch.cuda.device_count()} visible")
         cfg = BenchConfig(
             parts=parts,
             batches=_int_list(args.batches, "--batches"),
@@ -554,6 +569,7 @@ def _bench(args: argparse.Namespace) -> int:
             e2e_layers=args.e2e_layers,
             e2e_new_tokens=args.new_tokens,
             capacity_budget_gb=args.budget_gb,
+            multi_gpu_layers=args.multi_gpu_layers,
         )
         if args.methods is not None:
             cfg.methods = tuple(split_methods([args.methods]))

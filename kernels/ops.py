@@ -29,6 +29,24 @@ TUNING = {
 }
 
 
+def on_input_device(launcher):
+    """Run a launcher under the CUDA device of its first tensor argument.
+
+    Triton launches on the *current* CUDA device and its stream. A model split over GPUs (accelerate's
+    `device_map`) calls the attention and pack launchers for layers whose tensors live on another GPU than the
+    current one; without the switch the kernel would run on the wrong device, reading the other GPU's memory
+    over the interconnect (or faulting)."""
+
+    @functools.wraps(launcher)
+    def run(x: torch.Tensor, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return launcher(x, *args, **kwargs)
+        return launcher(x, *args, **kwargs)
+
+    return run
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -136,6 +154,7 @@ def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
     return [codes, *c_strides, scale, *s_strides, zero], f8_args
 
 
+@on_input_device
 def decode_attention(
     query: torch.Tensor,
     keys: StreamTensors,
@@ -282,6 +301,7 @@ def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_
     )
 
 
+@on_input_device
 def nuq_attention(
     query: torch.Tensor,
     keys: StreamTensors,
@@ -388,6 +408,7 @@ def _bh_t_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+@on_input_device
 def pack_per_token(
     x: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool,
     clip_ratio: float = 1.0,
@@ -410,6 +431,7 @@ def pack_per_token(
     )
 
 
+@on_input_device
 def pack_per_channel(
     x: torch.Tensor,
     out: dict[str, torch.Tensor],
@@ -443,6 +465,7 @@ def pack_per_channel(
     )
 
 
+@on_input_device
 def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, fmax: float) -> None:
     """`x (B, H, T, D)` -> `out (B, H, T, D) uint8`, the fp8 bytes of `clamp(x / scale, -fmax, fmax)`;
     `scale (B or 1, H)`, `fmt` "e4m3" or "e5m2" (`quant.quantize_fp8`)."""
@@ -458,6 +481,7 @@ def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, 
     )
 
 
+@on_input_device
 def pack_nuq(
     x: torch.Tensor,
     out: dict[str, torch.Tensor],
@@ -510,6 +534,7 @@ def pack_nuq(
     )
 
 
+@on_input_device
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """`x (..., D)` -> `x @ H / sqrt(D)` in x's dtype (computed in float32), D a power of two up to 256
     (`quant.fwht`)."""

@@ -210,7 +210,8 @@ def test_eval_quick_on_the_default_model(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [(["bench", "--parts", "kernel,speed"], "unknown part"), (["bench", "--batches", "1,x"], "--batches")]
-    + ([] if __import__("torch").cuda.is_available() else [(["bench"], "needs a CUDA device")]),
+    + ([] if __import__("torch").cuda.is_available() else [(["bench"], "needs a CUDA device")])
+    + ([] if __import__("torch").cuda.device_count() >= 2 else [(["bench", "--multi-gpu"], "at least 2 CUDA GPUs")]),
 )
 def test_bench_usage_errors_exit_2(capsys, argv, message):
     assert cli.main(argv) == 2
