@@ -13,6 +13,7 @@ from .methods.kvquant import KVQuantCache
 from .methods.rotated import RotatedCache
 from .models import DEFAULT_MODEL, load_model
 from .patching import unfuse
+from .planner import plan
 from .presets import PRESETS, describe, make_cache
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "describe",
     "load_model",
     "make_cache",
+    "plan",
     "unfuse",
 ]
 

@@ -6,6 +6,7 @@
     hf-kvcache bench              GPU benchmarks (kernels, end to end, capacity)
     hf-kvcache lm-eval ARGS       lm-eval's command line with the `hf-kvcache` model and the offline tasks
     hf-kvcache report DIR...      results directories merged into one table and one quality-vs-bytes figure
+    hf-kvcache plan               capacity: bytes per token and sequences that fit per method, and a recommendation
 
 Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
 table. A bad method spec is reported in one line with exit status 2.
@@ -367,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("dirs", nargs="+", metavar="DIR", help="results directories written by eval/compare")
     rep.add_argument("--out", default="results", help="parent folder of the report's directory (default: results/)")
     rep.add_argument("--protocol", choices=("stream", "paper"), default="stream", help="the figure's perplexity")
+    _add_plan_parser(sub)
     sub.add_parser(
         "lm-eval", add_help=False,
         help="lm-eval's own command line, with the `hf-kvcache` model type and the offline tasks "
@@ -463,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "report":
         return _report(args, full_argv)
     try:
@@ -510,6 +514,48 @@ def _report(args: argparse.Namespace, argv: list[str]) -> int:
     path = report.write_report(args.dirs, args.out, protocol=args.protocol, argv=argv)
     print((path / "table.md").read_text())
     print(f"report: {path}")
+    return 0
+
+
+def _add_plan_parser(sub) -> None:
+    from .planner import DEFAULT_RESERVE, GPUS, SHIPPED_MODELS, WEIGHT_BYTES
+
+    plan = sub.add_parser(
+        "plan",
+        help="capacity: bytes per token, KV GB per sequence and sequences that fit per method, and a recommendation",
+        description="Measures every method's cache on the model's config (no weights needed) and extrapolates its "
+        "exact layout to the context; fits sequences next to the weights in the GPU's memory and recommends a "
+        "format for the GPU, citing this project's measured accuracy and speed.",
+    )
+    plan.add_argument("--model", default=None, help=f"a shipped shape ({', '.join(SHIPPED_MODELS)}; default "
+                      "smollm2-135m), a local config.json or a local model directory")
+    plan.add_argument("--context", default=None, help="tokens per sequence: 131072, 128k, 32K (default: the "
+                      "model's max_position_embeddings)")
+    plan.add_argument("--gpu-memory", default=None, help="80GiB, 80GB, 141G (default: the GPU's)")
+    plan.add_argument("--gpu", default=None, help=f"{'|'.join(GPUS)} (default: the visible CUDA device)")
+    plan.add_argument("--batch", type=int, default=1, help="concurrent sequences wanted (default 1)")
+    plan.add_argument("--weights-dtype", default="bf16", choices=tuple(WEIGHT_BYTES), help="default bf16")
+    plan.add_argument("--reserve", type=float, default=DEFAULT_RESERVE,
+                      help=f"share of GPU memory kept for activations and the runtime (default {DEFAULT_RESERVE})")
+    plan.add_argument("--methods", nargs="+", default=None, metavar="SPEC", help="cache specs (default: every preset)")
+    plan.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON to this file")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .planner import plan
+
+    try:
+        result = plan(args.model, context=args.context, gpu_memory=args.gpu_memory, gpu=args.gpu, batch=args.batch,
+                      weights_dtype=args.weights_dtype, reserve=args.reserve,
+                      methods=None if args.methods is None else split_methods(args.methods))
+    except ValueError as error:
+        print(f"hf-kvcache: error: {error}", file=sys.stderr)
+        return 2
+    print(result.format())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
     return 0
 
 
