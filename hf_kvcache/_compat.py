@@ -5,6 +5,7 @@
   has fewer layers than the model).
 - 5.24 calls `cache.update(k, v, layer_idx, kwargs=attention_kwargs)` and renamed the forward argument
   `past_key_values` to `cache`; 5.17 calls `update(k, v, layer_idx)`. Our `update` accepts both.
+- 5.17's assisted generation calls `cache.crop(-rejected)` with a 0-dim tensor, 5.24 with an int.
 """
 
 from __future__ import annotations
@@ -112,3 +113,10 @@ def left_padding(update_kwargs: dict, tokens_before: int, n_new: int, batch: int
         positions = positions[0]
     pads = (tokens_before + n_new - 1) - positions[:, -1].long()
     return pads.clamp(min=0).expand(batch).clone()
+
+
+def crop_argument(tokens_to_remove) -> int:
+    """`Cache.crop`'s argument as a Python int. transformers 5.17's assisted generation passes a 0-dim tensor
+    (`-(candidate_length - n_matches)`, its `n_matches` being a tensor); 5.24 passes an int. Arithmetic such as
+    `n -= taken` on that tensor would change it in place, and every layer is handed the same one."""
+    return int(tokens_to_remove)

@@ -32,11 +32,13 @@ def _teacher_forced(model, ids, mask, cache):
     return torch.cat(out, 1)
 
 
+@pytest.mark.smoke
 def test_attention_and_mask_are_registered():
     assert hf_kvcache.ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS
     assert hf_kvcache.ATTENTION_NAME in ALL_MASK_ATTENTION_FUNCTIONS
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("spec,easy,hard", METHODS, ids=[m[0] for m in METHODS])
 def test_fused_equals_dense(spec, easy, hard, name, monkeypatch):
@@ -53,6 +55,7 @@ def test_fused_equals_dense(spec, easy, hard, name, monkeypatch):
     assert diff.mean() < 1e-4 and diff.max() < 5e-3, f"mean {diff.mean():.2e} max {diff.max():.2e}"
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["llama", "mqa", "qwen3"])
 def test_reference_attention_equals_sdpa_on_the_same_cache(name):
     """One layer, identical stored K/V: the chunked reference over handles equals SDPA over the dense read."""
@@ -80,6 +83,7 @@ def test_reference_attention_equals_sdpa_on_the_same_cache(name):
         torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.smoke
 def test_other_caches_pass_through_to_sdpa():
     """With `attn_implementation="hf_kvcache"` and a DynamicCache, results are exactly SDPA's."""
     sdpa, ours = tiny_model("gemma"), tiny_model("gemma", attn_implementation="hf_kvcache")

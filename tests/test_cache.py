@@ -13,6 +13,8 @@ from hf_kvcache.methods.int import QuantizedIntCache
 from tests.helpers.lossless import LAYOUTS, LosslessCache
 from tests.helpers.tiny_models import TINY_CONFIGS, left_padded_batch, tiny_input_ids, tiny_model
 
+# Smoke (also run on the oldest supported transformers): update() and handles under each release's calls.
+pytestmark = pytest.mark.smoke
 CONFIGS = sorted(TINY_CONFIGS)
 
 

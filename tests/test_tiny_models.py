@@ -14,6 +14,9 @@ from tests.helpers.tiny_models import (
     tiny_model,
 )
 
+# Smoke (also run on the oldest supported transformers): layer types and caches are what a release may change.
+pytestmark = pytest.mark.smoke
+
 EXPECTED_LAYER_TYPES = {
     "llama": ["full_attention"] * 3,
     "qwen2": ["full_attention"] * 3,

@@ -3,6 +3,7 @@ artifact's round trip on tiny models."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_kvcache import calibration
@@ -15,6 +16,7 @@ def _ids(model, n=96):
     return tiny_input_ids(model, batch=1, length=n, seed=3)
 
 
+@pytest.mark.smoke
 def test_keys_before_rope_rotate_into_the_keys_the_cache_stores():
     """For every token, RoPE (the model's own rotary embedding, per layer) applied to the captured pre-RoPE key gives
     the post-RoPE key the cache received: QK-norm on (B, T, H, D) (Qwen3), on (B, H, T, D) with per-layer-type

@@ -13,6 +13,8 @@ from transformers import DynamicCache
 from hf_kvcache.eval.perplexity import paper_perplexity, streaming_perplexity, window_starts
 from tests.helpers.tiny_models import FIRST_TOKEN_ID, VOCAB_SIZE, tiny_model
 
+pytestmark = pytest.mark.smoke  # streaming through a cache in chunks, and a DynamicCache subclass's update()
+
 
 @pytest.fixture(scope="module")
 def model():

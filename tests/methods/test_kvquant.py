@@ -33,6 +33,7 @@ def _stored(cache, k, v):
     return layer.key_stream.dense(torch.float32), layer.value_stream.dense(torch.float32)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma"])
 def test_keys_unrotated_and_rerotated_exactly(name):
     """With every element kept in an outlier slot the codes carry nothing: what comes back is the key undone to its
@@ -123,12 +124,14 @@ def test_uncalibrated_model_names_the_command(tmp_path, monkeypatch):
         make_cache("kvquant-3", tiny_model("llama"))
 
 
+@pytest.mark.smoke
 def test_from_model_leaves_no_hooks():
     model = tiny_model("gemma")
     KVQuantCache.from_model(model, bits=3)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+@pytest.mark.smoke
 def test_a_rotary_convention_other_than_rotate_half_is_refused(monkeypatch):
     """Interleaved RoPE (pairs of neighbouring channels): the probe sees that the stored keys are not the pre-RoPE
     keys rotated the rotate-half way, and refuses, naming the way out."""

@@ -39,6 +39,7 @@ def _logits(model, ids):
         return model(ids, use_cache=True, **_compat.cache_kwargs(DynamicCache(config=model.config))).logits
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_fusion_keeps_logits_and_unfuse_restores_the_weights(name):
     model = tiny_model(name)
@@ -125,6 +126,7 @@ def test_a_direct_constructor_without_fusion_says_what_to_do():
         make_cache("rotated-4:bits=5", tiny_model("llama"))
 
 
+@pytest.mark.smoke
 def test_keys_are_stored_rotated_and_read_back_unrotated():
     model = tiny_model("llama")
     cache = make_cache("rotated-4", model)
