@@ -29,22 +29,31 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import _compat
 from .kernels.layout import PackedFormat, StreamTensors
 
-# Storage grows by this factor (and at least `_MIN_GROW` rows), so the capacity never exceeds what is held by
-# more than ~25% + a few rows while every row is still copied O(1) times amortized.
-_GROWTH = 1.25
+# Storage grows by this factor (and at least `_MIN_GROW` tokens), so the capacity never exceeds what is held by
+# more than ~6% + a few rows. A smaller factor means more regrows, each copying the whole storage: 1/0.0625 = 16
+# row copies amortized per appended row, negligible next to the attention reading every row at every step; a
+# larger one (it was 1.25) leaves up to that fraction of a long cache allocated and unused, which the memory
+# the README promises (bytes per token, within 10% at 8k: tests/test_long_context.py) cannot afford.
+_GROWTH = 1.0625
 _MIN_GROW = 64
-# Capacities are rounded up to a multiple of this many rows: the storage's batch and head strides then stay
-# multiples of 16 as it grows, which the fused kernels' specialization relies on for aligned, vectorized loads
-# (`kernels/decode.py`, `_VARYING`).
-_ROW_ALIGN = 16
+# Capacities are rounded up so that every field's batch and head strides (capacity x the elements of one row) stay
+# multiples of this many elements as the storage grows, which the fused kernels' specialization relies on for
+# aligned, vectorized loads (`kernels/decode.py`, `_VARYING`). Per field rather than a fixed 16 rows: a row of
+# KIVI's keys is a block of 32 tokens and already 16-aligned, and 16 of them (512 tokens) of slack would be 25%
+# of a 2k-token cache.
+_STRIDE_ALIGN = 16
 
 # A sliding-window layer keeps this many tokens beyond its window so that `crop` (assisted generation) can roll
 # back a few tokens; trimming happens in bulk, amortized.
 _SLIDING_CROP_MARGIN = 64
 
 
-def _capacity(rows: int) -> int:
-    return -(-rows // _ROW_ALIGN) * _ROW_ALIGN
+def _capacity(rows: int, fields: dict[str, torch.Tensor]) -> int:
+    """`rows` rounded up so that `rows x (elements of one row)` is a multiple of `_STRIDE_ALIGN` for every field."""
+    multiple = 1
+    for v in fields.values():
+        multiple = math.lcm(multiple, _STRIDE_ALIGN // math.gcd(_STRIDE_ALIGN, math.prod(v.shape[3:])))
+    return -(-rows // multiple) * multiple
 
 
 class Codec(ABC):
@@ -100,10 +109,11 @@ class _Rows:
     the front) when more than half of the capacity is dead rows at the front.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_grow: int = _MIN_GROW) -> None:
         self.data: dict[str, torch.Tensor] | None = None
         self.start = 0
         self.end = 0
+        self.min_grow = min_grow  # rows: at least this many spare rows after a regrow (0 for a fixed-size place)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -121,7 +131,7 @@ class _Rows:
         if n == 0:
             return
         if self.data is None:
-            cap = _capacity(max(n, _MIN_GROW))
+            cap = _capacity(max(n, self.min_grow), fields)
             self.data = {
                 k: torch.empty((*v.shape[:2], cap, *v.shape[3:]), dtype=v.dtype, device=v.device)
                 for k, v in fields.items()
@@ -142,25 +152,30 @@ class _Rows:
         return views
 
     def _make_room(self, n: int) -> None:
-        cap = next(iter(self.data.values())).shape[2]
+        first = next(iter(self.data.values()))
+        if first.is_inference() and not torch.is_inference_mode_enabled():
+            # Storage made under torch.inference_mode() cannot be written outside it (a prompt prefilled under
+            # inference_mode, then `generate`, which runs under no_grad): copy it once into normal tensors.
+            self.data = {k: v.clone() for k, v in self.data.items()}
+        cap = first.shape[2]
         if self.end + n > cap:
             live = len(self)
             if self.start > 0 and live + n <= cap and self.start * 2 >= cap:
                 self._compact(cap)
             else:
-                self._compact(max(int(math.ceil((live + n) * _GROWTH)), live + n + _MIN_GROW))
+                self._compact(max(int(math.ceil((live + n) * _GROWTH)), live + n + self.min_grow))
 
     def shrink(self, rows: int) -> None:
         """Reallocate to about `rows` rows of capacity if far more is allocated (never below what is live)."""
         if self.data is None:
             return
-        target = max(rows, len(self)) + _MIN_GROW
+        target = max(rows, len(self)) + self.min_grow
         if next(iter(self.data.values())).shape[2] > 2 * target:
             self._compact(target)
 
     def _compact(self, capacity: int) -> None:
         live = len(self)
-        capacity = _capacity(capacity)
+        capacity = _capacity(capacity, self.data)
         new = {}
         for k, v in self.data.items():
             buf = torch.empty((*v.shape[:2], capacity, *v.shape[3:]), dtype=v.dtype, device=v.device)
@@ -216,9 +231,13 @@ class _Stream:
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length
         self.flush = flush
-        self.sink = _Rows()
-        self.packed = _Rows()  # rows are blocks of codec.block_size tokens
-        self.residual = _Rows()
+        self.sink = _Rows(min_grow=0)  # never holds more than sink_tokens: no spare rows
+        # Rows of the packed place are blocks of codec.block_size tokens; spare rows are counted in tokens, so that
+        # a block codec (KIVI's keys, 32 tokens a row) does not keep 64 blocks spare.
+        self.packed = _Rows(min_grow=max(_MIN_GROW // codec.block_size, 1))
+        # The residual never holds more than its window and a block once flushed: spare rows beyond that are dense
+        # memory held for nothing (64 float32 tokens outweigh 700 packed 2-bit ones).
+        self.residual = _Rows(min_grow=min(_MIN_GROW, residual_length + codec.block_size))
         self.first_position = 0  # absolute position of the first held token (> 0 once a window trimmed)
 
     # --- sizes
@@ -353,6 +372,10 @@ class _Stream:
         self.packed.drop_front(take // self.codec.block_size)
         n -= take
         self.residual.drop_front(n)
+        # Give back the capacity a long chunk (a prefill) left behind: a sliding layer would otherwise keep the
+        # largest chunk it ever saw allocated, however short its window.
+        self.packed.shrink(0)
+        self.residual.shrink(0)
 
     def can_drop_front(self, n: int) -> bool:
         n -= min(n, self.n_sink)
@@ -377,7 +400,7 @@ class _Stream:
             if keep.shape[2]:
                 # The kept tokens go back to the front of the (now empty) residual, in order; they will be
                 # packed again from their dequantized values, the one case where stored tokens are re-encoded.
-                self.residual = _Rows()
+                self.residual = _Rows(self.residual.min_grow)
                 self.residual.append({"x": keep.to(dtype)})
         if n:
             self.sink.drop_back(min(n, self.n_sink))
@@ -461,6 +484,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.dtype: torch.dtype | None = None
         self.fused = False  # set by the cache from the model's attn_implementation
         self.quantize_before_attention = False
+        self._offloaded = False  # every place's storage is in CPU memory (`offload`), until `prefetch`
 
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -485,6 +509,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.prefetch()  # a no-op unless offloaded and not prefetched ahead of time
         # Trim before appending, never after: this step's mask was sized by `get_mask_sizes()` from the
         # trimmed view, and on the fused path the attention reads the layer only after `update()` returns.
         self._trim_to_window()
@@ -586,10 +611,17 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end. Like transformers: a negative value removes that many tokens, a positive
-        one is the length to keep."""
-        n = -tokens_to_remove if tokens_to_remove < 0 else self.cumulative_length - tokens_to_remove
-        if n <= 0 or not self.is_initialized:
+        one is the length to keep (transformers 5.17's legacy form), 0 removes nothing."""
+        # 0 removes nothing: transformers 5.24's assisted generation calls `crop(-rejected)` after every step, also
+        # when every candidate was accepted, and `DynamicLayer` treats 0 as a no-op. Read as "keep 0 tokens" (the
+        # legacy meaning of a length), it emptied the cache whenever prompt lookup accepted all its candidates.
+        tokens_to_remove = _compat.crop_argument(tokens_to_remove)
+        if tokens_to_remove == 0 or not self.is_initialized:
             return
+        n = -tokens_to_remove if tokens_to_remove < 0 else self.cumulative_length - tokens_to_remove
+        if n <= 0:
+            return
+        self.prefetch()  # cropping a packed block decodes it, with the codec's tensors on the layer's device
         # A sliding layer that has let its oldest tokens go must still hold the next query's whole window.
         trimmed = self.held_tokens < self.cumulative_length
         if n > self.held_tokens or (trimmed and self.held_tokens - n < self.sliding_window - 1):
@@ -612,16 +644,31 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self._offloaded and self.device.type == "cuda":
+            # An offloaded layer is reordered where it is: beam search reorders every step, and bringing every
+            # layer back for it would undo the offloading. The copies out are asynchronous: wait for them before
+            # the host reads the tensors.
+            torch.cuda.synchronize(self.device)
         for s in self._streams.values():
             s.map_batch(fn)
         if self.pad_lengths is not None:
             self.pad_lengths = fn(self.pad_lengths)
 
-    def offload(self):
-        raise NotImplementedError("offloading is not supported by hf-kvcache layers")
+    def offload(self) -> None:
+        """Move the storage of every place (sink, packed fields, residual, codec state) to CPU memory without
+        waiting for the copy (transformers' offloading: `QuantizedKVCache.enable_offloading`). `prefetch` brings it
+        back; every method that touches the storage does so first. A no-op on a CPU layer."""
+        if self.is_initialized and not self._offloaded and self.device.type != "cpu":
+            for s in self._streams.values():
+                s.map_batch(lambda t: t.to("cpu", non_blocking=True))  # from CUDA: into pinned memory
+            self._offloaded = True
 
-    def prefetch(self):
-        pass
+    def prefetch(self) -> None:
+        """Move an offloaded layer's storage back to its device, without waiting (on the current stream)."""
+        if self._offloaded:
+            for s in self._streams.values():
+                s.map_batch(lambda t: t.to(self.device, non_blocking=True))
+            self._offloaded = False
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
@@ -653,6 +700,23 @@ class QuantizedKVCache(Cache):
                 layers.append(QuantizedKVLayer(policy_factory(idx), sliding_window=spec.sliding_window))
         super().__init__(layers=layers)
         self.quantize_before_attention = False
+        self.offloading = False  # `enable_offloading`
+        self._pending_offload: int | None = None  # a fused layer whose offload waits for its attention to be queued
+
+    def enable_offloading(self, only_non_sliding: bool = True) -> QuantizedKVCache:
+        """Keep each layer's storage in CPU memory except while its decoder layer runs, as transformers'
+        `DynamicCache(offloading=True)` does: before layer i runs, layer i+1 is copied back on a side stream,
+        and layer i is copied out after its step. Only CUDA layers move (a CPU-only model is unchanged);
+        `only_non_sliding` keeps sliding-window layers, which stay small, resident. Returns the cache:
+        `make_cache("int4-g32", model).enable_offloading()`."""
+        self.offloading = True
+        self.only_non_sliding = bool(only_non_sliding)
+        self.prefetch_stream = None  # created on the device of the first CUDA update
+        return self
+
+    def _offloadable(self, layer_idx: int) -> bool:
+        layer = self.layers[layer_idx]
+        return isinstance(layer, QuantizedKVLayer) and not (self.only_non_sliding and layer.is_sliding)
 
     @property
     def quantize_before_attention(self) -> bool:
@@ -670,7 +734,34 @@ class QuantizedKVCache(Cache):
         layer = self.layers[layer_idx]
         if isinstance(layer, QuantizedKVLayer):
             layer.fused = _compat.attn_implementation(self.config) == "hf_kvcache"
-        return layer.update(key_states, value_states, *args, **kwargs)
+        if not (self.offloading and key_states.device.type == "cuda"):
+            return layer.update(key_states, value_states, *args, **kwargs)
+        # transformers' `Cache.update` offloading (written out here: its helpers differ between versions), with one
+        # difference: on the fused path the attention reads the layer's storage after `update()` returns, so that
+        # layer is offloaded when the next update comes (its attention is queued on the stream by then).
+        if self.prefetch_stream is None:
+            self.prefetch_stream = torch.cuda.Stream(key_states.device)
+        if self._pending_offload is not None:
+            if self._offloadable(self._pending_offload):
+                self.layers[self._pending_offload].offload()
+            self._pending_offload = None
+        default = torch.cuda.default_stream(key_states.device)
+        default.wait_stream(self.prefetch_stream)
+        # The prefetch also waits for the default stream: copies out may be in flight, and memory freed there may
+        # still be read by queued kernels.
+        self.prefetch_stream.wait_stream(default)
+        n = len(self.layers)
+        following = [(layer_idx + k) % n for k in range(1, n + 1)]  # the next offloadable layer, circling round
+        nxt = next((i for i in following if self._offloadable(i)), None)
+        if nxt is not None:
+            with torch.cuda.stream(self.prefetch_stream):
+                self.layers[nxt].prefetch()
+        out = layer.update(key_states, value_states, *args, **kwargs)
+        if getattr(layer, "fused", False):
+            self._pending_offload = layer_idx
+        elif self._offloadable(layer_idx):
+            layer.offload()
+        return out
 
     def nbytes(self) -> int:
         """Bytes held by every layer (live rows: codes, scales, zeros, residual, sinks)."""

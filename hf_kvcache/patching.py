@@ -278,6 +278,12 @@ def fuse_value_rotation(model: nn.Module, rotation) -> ValueRotation:
         if problem:
             raise ValueError(f"cannot fold a value rotation into layer {i} of {type(model).__name__}: {problem}; "
                              "folding into W_v would change the model's outputs")
+        if any(w.device.type == "meta" for w in (m.v_proj.weight, m.o_proj.weight)):
+            raise ValueError(
+                f"cannot fold a value rotation into layer {i} of {type(model).__name__}: its v_proj/o_proj weights "
+                "are offloaded by accelerate (on the meta device, loaded only while the layer runs), so there is "
+                "nothing to rotate in place; load the model without offloading those layers to use RotatedCache"
+            )
         if m.v_proj.out_features != kv_heads * head_dim or m.o_proj.in_features % head_dim:
             raise ValueError(f"layer {i}: v_proj/o_proj shapes {tuple(m.v_proj.weight.shape)}/"
                              f"{tuple(m.o_proj.weight.shape)} do not match {kv_heads} kv-heads of head_dim {head_dim}")

@@ -211,7 +211,8 @@ class LayerMachine(RuleBasedStateMachine):
         possible = not self.window or held - n >= min(total - n, self.window - 1)
         packed_before = {name: set(self._serials(self._stream(name).n_sink, self._stream(name).n_sink
                                                  + self._stream(name).n_packed)) for name in STREAMS}
-        arg = total - n if as_length else -n
+        # As a length only when positive: 0 is transformers 5.24's `crop(-0)`, "remove nothing" (the layer's crop).
+        arg = total - n if as_length and total > n else -n
         if not possible:
             event("crop: refused")
             with pytest.raises(RuntimeError):
