@@ -93,6 +93,17 @@ class Codec(ABC):
         """Forget per-sequence state (a new generation starts)."""
         self.state = {}
 
+    @property
+    def observing(self) -> bool:
+        """True while the codec wants `observe` (a per-sequence statistic not set yet)."""
+        return False
+
+    def observe(self, x: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Before the first block is packed: every token the place then holds beyond the sinks, `x (B, H, T, D)`
+        (the residual window included), `valid (B, T)` as in `encode`. A codec that freezes a per-sequence
+        statistic (FP8's dynamic scale) sets it from these rather than from the first block alone, which behind
+        a residual window can be a single token."""
+
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming the parameter if this codec cannot store vectors of size `head_dim`."""
 
@@ -284,6 +295,14 @@ class _Stream:
         n = self._n_to_flush()
         if n <= 0:
             return
+        if self.codec.observing:
+            held = self.residual.view()["x"]
+            seen = None
+            if pad_lengths is not None:
+                start = self.first_position + self.n_sink + self.n_packed
+                index = torch.arange(start, start + held.shape[2], device=held.device)
+                seen = index.unsqueeze(0) >= pad_lengths.to(held.device).unsqueeze(1)  # (B, T)
+            self.codec.observe(held, seen)
         x = self.residual.slice(0, n)["x"]
         valid = None
         extra = {}

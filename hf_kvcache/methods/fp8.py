@@ -2,9 +2,9 @@
 
 Scale modes:
 - `none`: scale 1.0 (the raw cast, clamped);
-- `dynamic` (default): per sequence and kv-head, `amax * headroom / fp8_max` of the first tokens stored in the
-  layer, then frozen: stored bytes are never rescaled, and a later value beyond the frozen range is clamped to
-  the format's maximum (never NaN). The headroom (default 2) keeps later, larger tokens in range; E4M3's
+- `dynamic` (default): per sequence and kv-head, `amax * headroom / fp8_max` of the tokens the layer holds when
+  it first packs (the prompt, and the residual window if any; never the sinks), then frozen: stored bytes are
+  never rescaled, and a later value beyond the frozen range is clamped to the format's maximum (never NaN). The headroom (default 2) keeps later, larger tokens in range; E4M3's
   normal range spans 2^15, so it costs no precision on small values;
 - `calibrated`: per-layer, per-kv-head scales computed offline: the artifact of `hf-kvcache calibrate` (found
   by the model's fingerprint, or `calibration=PATH`), whose fitted scales are used (or `amax * headroom /
@@ -52,6 +52,13 @@ class FP8Codec(Codec):
                 scale = torch.where(valid.any(1).view(-1, 1, 1, 1), text, scale)
             self.state["scale"] = scale
         return self.state["scale"]
+
+    @property
+    def observing(self) -> bool:
+        return self.scale_mode == "dynamic" and "scale" not in self.state
+
+    def observe(self, x: torch.Tensor, valid: torch.Tensor | None) -> None:
+        self._scale(x, valid)
 
     def _check_heads(self, x: torch.Tensor) -> None:
         if self.fixed_scale is not None and self.fixed_scale.shape[1] != x.shape[1]:
