@@ -541,11 +541,10 @@ def _decode(model, cache, batch: int, n: int) -> float:
 
 
 def storage_devices(layer) -> set[torch.device]:
-    """The devices of every tensor a cache layer stores: ours (sink, packed and residual places of keys and
-    values) or a transformers layer's `keys`/`values`."""
-    streams = [getattr(layer, "key_stream", None), getattr(layer, "value_stream", None)]
-    if streams[0] is not None:
-        return {t.device for s in streams for place in (s.sink, s.packed, s.residual) for t in place.view().values()}
+    """The devices of every tensor a cache layer stores: ours (`stored_tensors`) or a transformers layer's
+    `keys`/`values`."""
+    if hasattr(layer, "stored_tensors"):
+        return {t.device for t in layer.stored_tensors()}
     return {t.device for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)}
 
 

@@ -291,6 +291,11 @@ class _Stream:
             return (n // r) * r
         return max((n - r) // b, 0) * b
 
+    def _residual_index(self, n: int, device: torch.device) -> torch.Tensor:
+        """`(n,)` the sequence indices of the residual's first n tokens."""
+        start = self.first_position + self.n_sink + self.n_packed
+        return torch.arange(start, start + n, device=device)
+
     def _flush(self, pad_lengths: torch.Tensor | None) -> None:
         n = self._n_to_flush()
         if n <= 0:
@@ -299,17 +304,15 @@ class _Stream:
             held = self.residual.view()["x"]
             seen = None
             if pad_lengths is not None:
-                start = self.first_position + self.n_sink + self.n_packed
-                index = torch.arange(start, start + held.shape[2], device=held.device)
-                seen = index.unsqueeze(0) >= pad_lengths.to(held.device).unsqueeze(1)  # (B, T)
+                seen = self._residual_index(held.shape[2], held.device).unsqueeze(0) >= pad_lengths.to(
+                    held.device).unsqueeze(1)  # (B, T)
             self.codec.observe(held, seen)
         x = self.residual.slice(0, n)["x"]
         valid = None
         extra = {}
         needs_positions = getattr(self.codec, "needs_positions", False)
         if pad_lengths is not None or needs_positions:
-            start = self.first_position + self.n_sink + self.n_packed
-            index = torch.arange(start, start + n, device=x.device)  # the tokens' indices in the sequence
+            index = self._residual_index(n, x.device)
         if pad_lengths is not None:
             valid = index.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
         if needs_positions:
@@ -428,6 +431,12 @@ class _Stream:
         for rows in (self.sink, self.packed, self.residual):
             rows.map_batch(fn)
         self.codec.state = {k: fn(v) for k, v in self.codec.state.items()}
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this stream holds: each place's buffers (spare rows included) and the codec's state."""
+        for rows in (self.sink, self.packed, self.residual):
+            yield from (rows.data or {}).values()
+        yield from self.codec.state.values()
 
     def nbytes(self) -> int:
         state = sum(v.numel() * v.element_size() for v in self.codec.state.values())
@@ -688,6 +697,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             for s in self._streams.values():
                 s.map_batch(lambda t: t.to(self.device, non_blocking=True))
             self._offloaded = False
+
+    def stored_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this layer holds, keys then values (where they live: `offload`, device placement)."""
+        for s in self._streams.values():
+            yield from s.tensors()
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:

@@ -43,7 +43,7 @@ from torch import nn
 
 from . import _compat
 from .cache import _SLIDING_CROP_MARGIN, QuantizedKVLayer
-from .eval.memory import reference_bytes_per_token
+from .eval.memory import layer_nbytes, reference_bytes_per_token
 from .kernels import use_backend
 from .methods._common import attention_shape
 from .methods.kvquant import KVQUANT_BITS, KVQuantCache
@@ -340,14 +340,6 @@ def _build_cache(spec: str, config):
     raise ValueError(f"spec {spec!r} needs the model's weights to build; the planner cannot build it from a config")
 
 
-def _layer_nbytes(layer) -> int:
-    """Bytes one cache layer holds: `nbytes()` of an hf-kvcache layer, the K and V tensors of a transformers one."""
-    if isinstance(layer, QuantizedKVLayer):
-        return layer.nbytes()
-    tensors = (getattr(layer, "keys", None), getattr(layer, "values", None))
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
 def _period(layer) -> tuple[int, int]:
     """`(P, start)`: past `start` tokens a full-attention layer's storage repeats every P tokens, each period adding
     the same bytes. A FIFO residual holds between R and R + block - 1 tokens once R have passed; a block-flushed one
@@ -396,11 +388,11 @@ class _Measure:
         first = start + period + (context - start - period) % period  # past every window, = context (mod P)
         if context <= first + 2 * step:
             self._feed(layer, context)
-            return _layer_nbytes(layer)
+            return layer_nbytes(layer)
         sizes = []
         for n in (first, step, step):  # the final layout of a full layer does not depend on how tokens arrived
             self._feed(layer, n)
-            sizes.append(_layer_nbytes(layer))
+            sizes.append(layer_nbytes(layer))
         periods_per_step = step // period
         grown = sizes[1] - sizes[0]
         if sizes[2] - sizes[1] != grown or grown % periods_per_step:
@@ -414,10 +406,10 @@ class _Measure:
         layer = self._fresh(spec, index)
         prefill = min(context, window)
         self._feed(layer, prefill)
-        most = _layer_nbytes(layer)
+        most = layer_nbytes(layer)
         for _ in range(min(context - prefill, _DECODE_STEPS)):
             self._feed(layer, 1)
-            most = max(most, _layer_nbytes(layer))
+            most = max(most, layer_nbytes(layer))
         return most
 
     def sequence_bytes(self, spec: str, context: int) -> int:

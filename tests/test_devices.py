@@ -16,7 +16,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvcache import _compat, make_cache
-from hf_kvcache.cache import QuantizedKVLayer
 from tests.helpers.checks import assert_cache_finite
 from tests.helpers.methods import METHODS
 from tests.helpers.tiny_models import left_padded_batch, tiny_model
@@ -54,19 +53,11 @@ def _execution_device(module) -> torch.device:
     return torch.device(device) if device is not None else next(module.parameters()).device
 
 
-def _storage(layer: QuantizedKVLayer):
-    """Every tensor a layer holds: each place's fields and each codec's state."""
-    for stream in (layer.key_stream, layer.value_stream):
-        for rows in (stream.sink, stream.packed, stream.residual):
-            yield from (rows.data or {}).values()
-        yield from stream.codec.state.values()
-
-
 def _assert_storage_on_execution_devices(model, cache) -> set:
     devices = set()
     for idx, (layer, block) in enumerate(zip(cache.layers, model.model.layers)):
         want = _execution_device(block)
-        found = {t.device for t in _storage(layer)}
+        found = {t.device for t in layer.stored_tensors()}
         assert found == {want}, f"layer {idx}: storage on {found}, its decoder layer runs on {want}"
         devices.add(want)
     return devices
@@ -128,7 +119,7 @@ def test_offloading_on_cpu_is_a_no_op_and_offload_prefetch_round_trip(attn):
         assert torch.equal(got, want), spec
         for layer in cache.layers:
             layer.offload()
-            assert all(t.device.type == "cpu" for t in _storage(layer))
+            assert all(t.device.type == "cpu" for t in layer.stored_tensors())
             layer.prefetch()
         assert_cache_finite(cache)
 
@@ -169,7 +160,7 @@ def _count_offloads(cache) -> list[int]:
     for idx, layer in enumerate(cache.layers):
         def offload(layer=layer, idx=idx, original=layer.offload):
             original()
-            if all(t.device.type == "cpu" for t in _storage(layer)):
+            if all(t.device.type == "cpu" for t in layer.stored_tensors()):
                 moved.append(idx)
 
         layer.offload = offload
@@ -199,9 +190,9 @@ def test_offloaded_cache_generates_as_the_resident_one_on_cuda(spec, easy, hard,
         counts = [moved.count(i) for i in range(len(cache.layers))]
         assert min(counts) >= 69, counts  # once a forward (the prefill and 69 decode steps; the fused last layer
         # of the final step stays pending)
-        on_cpu = [i for i, layer in enumerate(cache.layers) if all(t.device.type == "cpu" for t in _storage(layer))]
+        on_cpu = [i for i, layer in enumerate(cache.layers) if all(t.device.type == "cpu" for t in layer.stored_tensors())]
         assert on_cpu == ([1] if attn == "hf_kvcache" else [1, 2]), on_cpu
         for layer in cache.layers:
             layer.prefetch()
-            assert all(t.is_cuda for t in _storage(layer))
+            assert all(t.is_cuda for t in layer.stored_tensors())
         assert_cache_finite(cache)
