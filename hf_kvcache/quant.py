@@ -113,6 +113,13 @@ def _ungrouped(x: torch.Tensor, axis: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-2], -1).movedim(-1, axis)
 
 
+def _ieee_div(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x / n` correctly rounded on every device, as the kernels divide. On CUDA PyTorch turns a division by a
+    Python number into a product with its reciprocal, which can land one float32 step off; an fp16 scale rounded
+    up from an exact quotient then moves to the next fp16 value. A divisor on x's device is divided exactly."""
+    return x / torch.tensor(float(n), device=x.device)
+
+
 def round_fp16(x: torch.Tensor, direction: str) -> torch.Tensor:
     """Round float32 `x` to the nearest fp16 value that is >= x (`"up"`) or <= x (`"down"`), clamped to fp16's range."""
     x = x.float().clamp(-_FP16_MAX, _FP16_MAX)
@@ -156,7 +163,7 @@ def quantize_uniform(
             raise ValueError("range_search applies to asymmetric quantization only")
         qmax = 2 ** (bits - 1) - 1
         absmax = xg.abs().amax(-1, keepdim=True)
-        scale = round_fp16(absmax / qmax, "up")
+        scale = round_fp16(_ieee_div(absmax, qmax), "up")
         safe = torch.where(scale > 0, scale.float(), torch.ones_like(absmax))
         q = torch.round(xg / safe).clamp(-qmax, qmax) + 2 ** (bits - 1)
         return UniformQuantized(_ungrouped(q.to(torch.uint8), axis), _ungrouped(scale, axis), None)
@@ -181,7 +188,7 @@ def _asymmetric(xg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int)
     """Codes, fp16 scale and fp16 zero for the range [lo, hi] of each group (last axis), rounded outward."""
     qmax = 2**bits - 1
     zero = round_fp16(lo, "down")
-    scale = round_fp16((hi - zero.float()) / qmax, "up")
+    scale = round_fp16(_ieee_div(hi - zero.float(), qmax), "up")
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(hi))
     q = torch.round((xg - zero.float()) / safe).clamp(0, qmax)
     return q, scale, zero
