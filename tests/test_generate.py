@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 import hf_kvcache.cache as cache_module
 from hf_kvcache import _compat, make_cache
+from tests.helpers import teacher_forced
 from tests.helpers.checks import assert_cache_finite
 from tests.helpers.lossless import LAYOUTS, LosslessCache
 from tests.helpers.methods import METHODS
@@ -185,56 +186,31 @@ def test_rows_of_1_and_200_tokens_generate_past_every_boundary(spec, easy, hard,
 
 
 # Teacher-forced loss of DynamicCache's own greedy continuation through each cache, relative to DynamicCache's
-# (exact token equality is too strict where two logits nearly tie). Measured on the 4 prompts below, 256 tokens,
-# float32 on the CPU: DynamicCache 0.4433; int8 0.4429 (-0.08%); fp8-e4m3 0.4485 (+1.18%, rows +1.1/+1.8/+0.3/
-# +2.0%); not asserted: fp8-e4m3:scale=none 0.4529 (+2.2%), fp8-e5m2 0.4708 (+6.2%), fp8-e5m2:scale=none 0.4585
-# (+3.4%). The issue's 1% is met by INT8 and missed by FP8 E4M3 (by 0.2 points): its bound records what holds.
-TEACHER_FORCED_BOUNDS = {"int8": 0.005, "fp8-e4m3": 0.015}
+# (tests/helpers/teacher_forced.py). One row's delta moves by up to +-2% between configurations that differ by
+# nothing that matters, so the loss is pooled over 24 prompts x 256 tokens. Measured in float32 on the CPU with
+# `python -m tests.helpers.teacher_forced int8 fp8-e4m3 ...`: DynamicCache 0.3633; int8 +0.13%; fp8-e4m3 +0.77%
+# (per-row mean +1.16%, standard error 0.46%). Not asserted: fp8-e5m2 (2 mantissa bits) +4.61%. On the first 4
+# prompts alone fp8-e4m3 measured +1.18%, and ablations there (sinks, headroom 4 or 8, calibrated scales) looked
+# better than the preset; over the 24 they are not: sink_tokens=1 +0.77%, sink_tokens=4 +0.75%, headroom=4
+# +0.81%, headroom=8 +0.88%, scale=calibrated +1.32%.
+TEACHER_FORCED_BOUNDS = {"int8": 0.005, "fp8-e4m3": 0.01}
 
 
 @pytest.mark.slow
 def test_teacher_forced_loss_of_dynamic_cache_continuation(default_model):
-    """DynamicCache's own greedy continuation (256 tokens from 4 prompts in a left-padded batch), fed back token
-    by token through INT8 and FP8 caches (each token attends to the stored, quantized past): the teacher-forced
-    loss stays within `TEACHER_FORCED_BOUNDS` of DynamicCache's, and the caches stay finite."""
+    """DynamicCache's own greedy continuation (256 tokens from 24 prompts in a left-padded batch), fed back token
+    by token through INT8 and FP8 caches: the teacher-forced loss stays within `TEACHER_FORCED_BOUNDS` of
+    DynamicCache's, and the caches stay finite."""
     model, tok = default_model
-    prompts = [
-        "The history of the Roman Empire begins",
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-        "In a small village at the foot of the mountains, there lived",
-        "Photosynthesis is the process by which plants",
-    ]
-    new = 256
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    ref = model.generate(
-        **batch, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        **_compat.cache_kwargs(DynamicCache(config=model.config)),
-    )
-    seq, n0 = ref.sequences, batch.input_ids.shape[1]
-    continuation = seq[:, n0:]
-
-    def loss(logits):
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), continuation.flatten()).item()
-
-    # generate's own logits are DynamicCache's teacher-forced ones: the same inputs, positions and cache.
-    losses = {"none": loss(torch.stack(ref.logits, 1))}
-    mask = torch.cat([batch.attention_mask, torch.ones_like(continuation)], 1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
-    steps = [(0, n0)] + [(t, t + 1) for t in range(n0, seq.shape[1] - 1)]
+    cont = teacher_forced.greedy_continuation(model, tok, teacher_forced.default_prompts(), 256)
+    losses = {"none": teacher_forced.loss(cont.logits, cont.targets)}
     for spec in TEACHER_FORCED_BOUNDS:
         cache = make_cache(spec, model)
-        with torch.inference_mode():
-            logits = torch.cat([
-                model(
-                    input_ids=seq[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b],
-                    **_compat.cache_kwargs(cache),
-                ).logits[:, -1:]
-                for a, b in steps
-            ], 1)
-        losses[spec] = loss(logits)
+        losses[spec] = teacher_forced.loss(teacher_forced.teacher_forced_logits(model, cont, cache), cont.targets)
         assert_cache_finite(cache)
     deltas = {spec: losses[spec] / losses["none"] - 1 for spec in TEACHER_FORCED_BOUNDS}
     report = ", ".join(f"{k} {v:.4f}" for k, v in losses.items())
+    print(f"teacher-forced losses: {report}")
     for spec, bound in TEACHER_FORCED_BOUNDS.items():
         assert abs(deltas[spec]) <= bound, f"{spec}: {deltas[spec]:+.2%} (bound {bound:.1%}); losses {report}"
 
@@ -244,27 +220,14 @@ def test_kivi_generates_past_its_window_on_the_default_model(default_model):
     """KIVI on the real model, with a left-padded batch, 160 new tokens (the 128-token window flushes): the
     continuation stays close to DynamicCache's (teacher-forced loss within 1% at 4 bits, 5% at 2) and finite."""
     model, tok = default_model
-    batch = tok(["Once upon a time, in a land far away,", "The"], return_tensors="pt", padding=True)
-    ref = model.generate(**batch, max_new_tokens=160, do_sample=False, **_compat.cache_kwargs(DynamicCache(config=model.config)))
-    n0 = batch.input_ids.shape[1]
-    mask = torch.cat([batch.attention_mask, torch.ones(2, 160, dtype=torch.long)], 1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    losses = {}
-    for spec in ("none", "kivi-4", "kivi-2"):
+    cont = teacher_forced.greedy_continuation(model, tok, ["Once upon a time, in a land far away,", "The"], 160)
+    losses = {"none": teacher_forced.loss(cont.logits, cont.targets)}
+    for spec in ("kivi-4", "kivi-2"):
         cache = make_cache(spec, model)
-        steps = [(0, n0)] + [(t, t + 1) for t in range(n0, ref.shape[1] - 1)]
-        with torch.inference_mode():
-            logits = torch.cat([
-                model(
-                    input_ids=ref[:, a:b], attention_mask=mask[:, :b], position_ids=positions[:, a:b],
-                    **_compat.cache_kwargs(cache),
-                ).logits[:, -1:]
-                for a, b in steps
-            ], 1).float()
-        losses[spec] = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ref[:, n0:].flatten()).item()
-        if spec != "none":
-            assert_cache_finite(cache)
-            assert cache.layers[0].key_stream.n_packed >= 128  # the window flushed at least once
+        losses[spec] = teacher_forced.loss(teacher_forced.teacher_forced_logits(model, cont, cache), cont.targets)
+        assert_cache_finite(cache)
+        assert cache.layers[0].key_stream.n_packed >= 128  # the window flushed at least once
+    print(f"teacher-forced losses: {losses}")
     # Measured: none 0.512, kivi-4 0.512, kivi-2 (the preset) 0.516.
     assert losses["kivi-4"] <= losses["none"] * 1.01, losses
     assert losses["kivi-2"] <= losses["none"] * 1.05, losses
