@@ -416,15 +416,15 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _dense_layer_bytes(layer) -> int:
+    """Bytes held by a transformers cache layer (DynamicCache, QuantizedCache: residual and quantized tensors)."""
+    tensors = (getattr(layer, name, None) for name in ("keys", "values", "_quantized_keys", "_quantized_values"))
+    return sum(_tensor_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _dense_cache_bytes(cache) -> int:
-    """Bytes held by a transformers cache (DynamicCache, QuantizedCache: residual and quantized tensors)."""
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += _tensor_bytes(t)
-    return total
+    """Bytes held by a transformers cache: `_dense_layer_bytes` of every layer."""
+    return sum(_dense_layer_bytes(layer) for layer in cache.layers)
 
 
 # ------------------------------------------------------------------------------------------------- capacity
@@ -551,10 +551,7 @@ def storage_devices(layer) -> set[torch.device]:
 def _cache_bytes_by_device(cache, model) -> dict[int, int]:
     out: dict[int, int] = {}
     for layer, dev in zip(cache.layers, _layer_devices(model)):
-        if hasattr(layer, "allocated_nbytes"):
-            held = layer.allocated_nbytes()
-        else:
-            held = sum(_tensor_bytes(t) for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+        held = layer.allocated_nbytes() if hasattr(layer, "allocated_nbytes") else _dense_layer_bytes(layer)
         out[dev.index] = out.get(dev.index, 0) + held
     return out
 

@@ -275,10 +275,16 @@ def nuq_dequantize(codes: torch.Tensor, codebook: torch.Tensor, dtype: torch.dty
     return codebook.to(device=codes.device, dtype=torch.float32)[codes.long()].to(dtype)
 
 
+def midrange(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(mid, half)` of the range [lo, hi], the half clamped above 0 so that a constant range never divides by 0:
+    the normalization `(x - mid) / half` of the NUQ quantizers (and their pack kernel)."""
+    return (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def normalize_per_channel(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys against calibrated per-channel ranges (KVQuant): `x (..., H, D)`, `lo`/`hi (H, D)` -> the values mapped
     to [-1, 1] by `(x - mid) / half` and a bool mask of the outliers (outside `[lo, hi]`)."""
-    mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+    mid, half = midrange(lo, hi)
     outlier = (x < lo) | (x > hi)
     return ((x - mid) / half).clamp(-1, 1), outlier
 
@@ -295,7 +301,7 @@ def normalize_per_token(x: torch.Tensor, outliers: int) -> tuple[torch.Tensor, t
     inner = x.masked_fill(mask, float("nan"))
     lo = torch.where(mask, float("inf"), x).amin(-1, keepdim=True)
     hi = torch.where(mask, float("-inf"), x).amax(-1, keepdim=True)
-    mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
+    mid, half = midrange(lo, hi)
     normalized = ((inner - mid) / half).clamp(-1, 1).nan_to_num(0.0)
     return normalized, mask, lo, hi
 

@@ -493,10 +493,10 @@ def pack_nuq(
 ) -> None:
     """KVQuant's encode in place: `x (B, H, T, D)` -> `out["codes"] (B, H, T, D*b/8)`, `out["out_idx"]`/`out["out_val"]
     (B, H, T, s)`; keys (`key_norm` = calibrated `(lo, hi)` and the encode's normalization `(mid, half)`, each
-    `(H, D)` float32 contiguous on x's device, half clamped above 0 as `quant.normalize_per_channel` does) also `out["pos"] (B, 1, T)` from `positions (B, T)` when `fmt.inv_freq` is set (RoPE undone at
-    those positions); values also `out["lo"]`/`out["hi"] (B, H, T, 1) fp16`. `midpoints (2^b - 1,)` float32: the
-    codebook's decision boundaries. Same numbers as `methods.kvquant`'s codecs up to the rounding of the RoPE
-    angles (keys) and of fp32 products."""
+    `(H, D)` float32 contiguous on x's device, half clamped above 0: `quant.midrange`) also `out["pos"] (B, 1, T)`
+    from `positions (B, T)` when `fmt.inv_freq` is set (RoPE undone at those positions); values also
+    `out["lo"]`/`out["hi"] (B, H, T, 1) fp16`. `midpoints (2^b - 1,)` float32: the codebook's decision boundaries.
+    Same numbers as `methods.kvquant`'s codecs up to the rounding of the RoPE angles (keys) and of fp32 products."""
     from . import nuq
 
     b, h, t, d = x.shape

@@ -4,8 +4,9 @@ Scale modes:
 - `none`: scale 1.0 (the raw cast, clamped);
 - `dynamic` (default): per sequence and kv-head, `amax * headroom / fp8_max` of the tokens the layer holds when
   it first packs (the prompt, and the residual window if any; never the sinks), then frozen: stored bytes are
-  never rescaled, and a later value beyond the frozen range is clamped to the format's maximum (never NaN). The headroom (default 2) keeps later, larger tokens in range; E4M3's
-  normal range spans 2^15, so it costs no precision on small values;
+  never rescaled, and a later value beyond the frozen range is clamped to the format's maximum (never NaN).
+  The headroom (default 2) keeps later, larger tokens in range; E4M3's normal range spans 2^15, so it costs no
+  precision on small values;
 - `calibrated`: per-layer, per-kv-head scales computed offline: the artifact of `hf-kvcache calibrate` (found
   by the model's fingerprint, or `calibration=PATH`), whose fitted scales are used (or `amax * headroom /
   fp8_max` when `headroom` is given), or explicit `scales={"k_scale": (L, Hkv), "v_scale": (L, Hkv)}` tensors,

@@ -30,7 +30,15 @@ from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import NUQFormat
 from ..patching import LayerRope, layer_ropes, rotate
-from ..quant import nuq_dequantize, nuq_quantize, normalize_per_channel, pack_bits, round_fp16, unpack_bits
+from ..quant import (
+    midrange,
+    normalize_per_channel,
+    nuq_dequantize,
+    nuq_quantize,
+    pack_bits,
+    round_fp16,
+    unpack_bits,
+)
 from ._common import attention_shape, check_choice, check_nonnegative_int
 
 KVQUANT_BITS = (2, 3, 4)
@@ -112,8 +120,7 @@ class KVQuantKeyCodec(Codec):
             super().encode_into(x, valid, out, positions=positions)
             return
         if self._pack_args is None:  # once per device, not every decode step
-            mid, half = (self.hi + self.lo) / 2, ((self.hi - self.lo) / 2).clamp_min(torch.finfo(torch.float32).tiny)
-            norm = tuple(t.contiguous() for t in (self.lo, self.hi, mid, half))  # as normalize_per_channel
+            norm = tuple(t.contiguous() for t in (self.lo, self.hi, *midrange(self.lo, self.hi)))
             self._pack_args = (_midpoints(self.codebook), norm)
         midpoints, norm = self._pack_args
         kernels.ops.pack_nuq(x, out, fmt, midpoints, key_norm=norm, positions=positions if self.rope is not None else None)
