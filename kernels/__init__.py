@@ -3,6 +3,7 @@ cache. Triton is imported on first use, so importing this package is cheap and w
 
 from .backend import BACKENDS, get_backend, interpreting, set_backend, triton_available, use_backend, use_kernels
 from .layout import PackedFormat, StreamTensors
+from . import library  # noqa: F401  (registers the operators that torch.compile calls)
 from .ops import head_dim_ok
 
 __all__ = [

@@ -26,6 +26,7 @@ import triton.language as tl
 FMT_FP8_E4M3 = 1
 FMT_FP8_E5M2 = 2
 FMT_UNIFORM = 3
+FMT_EXACT = 4  # the model dtype itself (the `exact` preset): read like fp8 codes with a unit scale
 
 
 @triton.jit
@@ -175,7 +176,9 @@ def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: 
 
 @triton.jit
 def _fp8_to_float(c, FMT: tl.constexpr):
-    if FMT == 1:
+    if FMT == 4:
+        x = c.to(tl.float32)
+    elif FMT == 1:
         x = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         x = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
@@ -202,10 +205,12 @@ def _dequant(C, SC, Z, tok, d, mask, sc_t, ss_t, ss_c, fp8_scale,
 
 @triton.jit
 def _place_tile(S_, Rs, N_, C, SC, Z, ss_t, sr_t, sn_t, sc_t, ssc_t, ssc_c, fp8_scale,
-                kpos, d, ok, n_sink, n_packed, n_res, stop, n_new, DT: tl.constexpr,
-                FMT: tl.constexpr, BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr):
+                kpos, d, ok, n_sink, n_packed, n_res, r_off, stop, n_new, DT: tl.constexpr,
+                FMT: tl.constexpr, BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr,
+                RING: tl.constexpr):
     """Keys or values of tokens `kpos (N, 1)` (pointers already offset to this batch row and kv-head) from
-    whichever place holds them, rounded to the model dtype as the reference decode does: (N, D)."""
+    whichever place holds them, rounded to the model dtype as the reference decode does: (N, D). RING > 0: the
+    residual is a ring of RING rows whose oldest token sits in row `r_off` (the static form)."""
     stored = ok & (kpos < stop)
     in_sink = stored & (kpos < n_sink)
     pk = kpos - n_sink
@@ -216,6 +221,8 @@ def _place_tile(S_, Rs, N_, C, SC, Z, ss_t, sr_t, sn_t, sc_t, ssc_t, ssc_c, fp8_
     in_new = ok & (nk >= 0) & (nk < n_new)
     x = tl.load(S_ + kpos * ss_t + d, mask=in_sink, other=0.0).to(tl.float32)
     x += _dequant(C, SC, Z, pk, d, in_packed, sc_t, ssc_t, ssc_c, fp8_scale, FMT, BITS, TOKG, CHG, SYM)
+    if RING > 0:
+        rk = (rk + r_off) % RING
     x += tl.load(Rs + rk * sr_t + d, mask=in_res, other=0.0).to(tl.float32)
     x += tl.load(N_ + nk * sn_t + d, mask=in_new, other=0.0).to(tl.float32)
     return x.to(DT)
@@ -255,6 +262,24 @@ def _finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
     return s * 1.4426950408889634
 
 
+@triton.jit
+def _static_places(after, RING: tl.constexpr, WINDOW: tl.constexpr):
+    """The static form's split of the `after` tokens held past the sinks: (packed tokens read, residual tokens,
+    ring row of the oldest residual token). RING = 0: every token is packed. WINDOW (a FIFO window, every token
+    also packed): the last min(after, RING) tokens are read from the ring. Otherwise (block flush, KIVI's keys):
+    whole windows of RING tokens are packed and the rest waits in the ring from row 0."""
+    if RING == 0:
+        packed = after
+    elif WINDOW:
+        packed = tl.maximum(after - RING, 0)
+    else:
+        packed = (after // RING) * RING
+    off = 0
+    if RING > 0:
+        off = packed % RING
+    return packed, after - packed, off
+
+
 # Integers that change from step to step (lengths, split counts, the mask's strides, which follow the length) are
 # not specialized: Triton would otherwise compile a new variant whenever one of them turns 1 or a multiple of 16,
 # which during generation means seconds of compiling between tokens. Strides of the places are specialized: their
@@ -274,7 +299,7 @@ def _attn_fwd(
     VS, svs_b, svs_h, svs_t, VC, svc_b, svc_h, svc_t, VSC, svsc_b, svsc_h, svsc_t, svsc_c, VZ,
     VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t, VF8, svf_b, svf_h,
     MASK, sm_b, sm_t, sm_s,
-    ACC, M_OUT, L_OUT,
+    ACC, M_OUT, L_OUT, LENS,
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
@@ -282,8 +307,22 @@ def _attn_fwd(
     CAUSAL_BODY: tl.constexpr, K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
+    MASK_ROW: tl.constexpr = False, STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
+    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
+    k_off = 0
+    v_off = 0
+    if STATIC:
+        # The static form: the launch is sized for the capacity and every length comes from the device, so one
+        # captured graph serves every step; programs past the filled tiles find empty ranges.
+        held = tl.load(LENS).to(tl.int32)  # tokens held after this step's update
+        n_sink = tl.minimum(held, SINK_CAP)
+        npk, nrk, k_off = _static_places(held - n_sink, K_RING, K_WINDOW)
+        npv, nrv, v_off = _static_places(held - n_sink, V_RING, V_WINDOW)
+        stop = held - n_new
+        n_body_tiles = tl.maximum(tl.minimum(tl.minimum(npk, npv), stop - n_sink), 0) // BLOCK_N
+        tiles_per_split = tl.cdiv(n_body_tiles, tl.maximum(n_splits, 1))
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     b = (pid_bh // Hkv).to(tl.int64)  # offsets of large caches pass 2^31
@@ -349,10 +388,12 @@ def _attn_fwd(
         extra = tl.zeros((BLOCK_M,), tl.float32)  # sum_n p_n (zero_n - OFF * scale_n) for per-token values
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
-        # scales and zeros of the first tile; each iteration loads the next tile's (the last one reloads its own)
-        ka0, ka1, ka2, ka3, kzr = _side(ksc, kz, lo, sksc_t, sksc_c, BLOCK_N, D, K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM,
+        # scales and zeros of the first tile; each iteration loads the next tile's (the last one reloads its own);
+        # an empty range (static form) loads tile 0, which the storage always has
+        first = tl.where(lo < hi, lo, 0)
+        ka0, ka1, ka2, ka3, kzr = _side(ksc, kz, first, sksc_t, sksc_c, BLOCK_N, D, K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM,
                                         K_PLANES)
-        va0, va1, va2, va3, vzr = _side(vsc, vz, lo, svsc_t, svsc_c, BLOCK_N, D, V_FMT, V_BITS, 1, V_CHG, V_SYM,
+        va0, va1, va2, va3, vzr = _side(vsc, vz, first, svsc_t, svsc_c, BLOCK_N, D, V_FMT, V_BITS, 1, V_CHG, V_SYM,
                                         V_PLANES)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n  # packed token indices (BLOCK_N,)
@@ -394,7 +435,11 @@ def _attn_fwd(
                 kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
-            if HAS_MASK:
+            if HAS_MASK and MASK_ROW:
+                # one query position (decode): one row of the mask serves every query head
+                allowed = tl.load(MASK + b * sm_b + (n_sink + tok) * sm_s)
+                s = tl.where(allowed[None, :] != 0, s, float("-inf"))
+            elif HAS_MASK:
                 kpos = n_sink + tok
                 allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
                                   mask=row_ok[:, None], other=0)
@@ -452,14 +497,14 @@ def _attn_fwd(
             kpos = start + n  # (BLOCK_N,)
             ok = kpos < limit
             kt = _place_tile(ks, kr, kn, kc, ksc, kz, sks_t, skr_t, skn_t, skc_t, sksc_t, sksc_c, k_scale,
-                             kpos[:, None], d[None, :], ok[:, None], n_sink, npk, nrk, stop, n_new, DT,
-                             K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM)
+                             kpos[:, None], d[None, :], ok[:, None], n_sink, npk, nrk, k_off, stop, n_new, DT,
+                             K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, K_RING)
             s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
             s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _place_tile(vs, vr, vn, vc, vsc, vz, svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale,
-                             kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, stop, n_new, DT,
-                             V_FMT, V_BITS, 1, V_CHG, V_SYM)
+                             kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, v_off, stop, n_new, DT,
+                             V_FMT, V_BITS, 1, V_CHG, V_SYM, V_RING)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
         tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)

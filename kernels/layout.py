@@ -5,6 +5,7 @@ promises (B = batch, H = kv-heads, D = head_dim, b = bits, rows along axis 2 as 
 
 - `kind="fp8-e4m3" | "fp8-e5m2"`: `codes (B, H, T, D) uint8` (raw fp8 bytes); the value is `fp8(code) * scale`
   with `scale (B or 1, H) float32` held in the format itself (one per sequence and kv-head).
+- `kind="exact"`: `codes (B, H, T, D)` in the model dtype, the values themselves (scale 1).
 - `kind="uniform"`, `token_group=1` (per-token groups of `channel_group` channels): `codes (B, H, T, D*b/8) uint8`
   (packed little-endian, see `hf_kvcache.quant.pack_bits`), `scale (B, H, T, D/channel_group) fp16` and, when
   asymmetric, `zero` of the same shape. The value is `code * scale + zero`, or `(code - 2^(b-1)) * scale` when
@@ -22,11 +23,13 @@ from dataclasses import dataclass
 import torch
 
 FP8_KINDS = ("fp8-e4m3", "fp8-e5m2")
+# Formats read element by element with one scale per kv-head: FP8 bytes, or the model dtype itself ("exact").
+SCALED_KINDS = FP8_KINDS + ("exact",)
 
 
 @dataclass(frozen=True)
 class PackedFormat:
-    kind: str  # "fp8-e4m3" | "fp8-e5m2" | "uniform"
+    kind: str  # "fp8-e4m3" | "fp8-e5m2" | "exact" | "uniform"
     bits: int = 8
     token_group: int = 1  # consecutive tokens that share one scale (and zero) per channel
     channel_group: int = 0  # consecutive channels that share one scale (and zero) per token; 0 = head_dim
@@ -34,7 +37,7 @@ class PackedFormat:
     scale: torch.Tensor | None = None  # fp8 only: (B or 1, H) float32
 
     def __post_init__(self):
-        if self.kind not in FP8_KINDS + ("uniform",):
+        if self.kind not in SCALED_KINDS + ("uniform",):
             raise ValueError(f"unknown packed format kind {self.kind!r}")
         if self.kind == "uniform" and self.bits not in (2, 4, 8):
             raise ValueError(f"the kernels read 2, 4 or 8-bit codes, not {self.bits}")
@@ -56,6 +59,22 @@ class StreamTensors:
     fmt: PackedFormat
     n_packed: int
     residual: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StaticLayout:
+    """How a static layer's fixed places split its tokens (`hf_kvcache.static`), which the kernels derive on the
+    device from `length`, a 0-dim int64 tensor: the tokens held after this step's update. The first
+    `min(length, sink_tokens)` are sinks; of the rest, a stream with `ring = 0` reads all from the packed place; with
+    `window` (a FIFO window, every token also packed) the last `min(rest, ring)` from a ring of `ring` rows; without
+    (block flush, KIVI's keys) the `rest % ring` newest from the ring's first rows."""
+
+    length: torch.Tensor
+    sink_tokens: int = 0
+    key_ring: int = 0
+    value_ring: int = 0
+    key_window: bool = False
+    value_window: bool = False
 
 
 @dataclass(frozen=True)

@@ -149,17 +149,27 @@ def _nuq_attn(
     KC, skc_b, skc_h, skc_t, KOI, KOV, sko_b, sko_h, sko_t, KP, skp_b, skp_t, KMID, KHALF, KCB, INVF,
     VC, svc_b, svc_h, svc_t, VOI, VOV, svo_b, svo_h, svo_t, VLO, VHI, svl_b, svl_h, svl_t, VCB,
     MASK, sm_b, sm_t, sm_s,
-    ACC, M_OUT, L_OUT,
+    ACC, M_OUT, L_OUT, LENS,
     Hkv, Tq, n_sink, n_body, npk, n_res, stop, n_new, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap, rope_scale,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr, K_SP: tl.constexpr,
     V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, SELECT: tl.constexpr,
+    STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0,
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
     packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
-    new). Partial results go to ACC/M_OUT/L_OUT for `decode._combine`."""
+    new). Partial results go to ACC/M_OUT/L_OUT for `decode._combine`. STATIC: the lengths come from the device
+    (`LENS`: tokens held; the first SINK_CAP are sinks, every later one is packed), as in `decode._attn_fwd`."""
+    if STATIC:
+        held = tl.load(LENS).to(tl.int32)
+        n_sink = tl.minimum(held, SINK_CAP)
+        npk = held - n_sink
+        n_res = 0
+        stop = held - n_new
+        n_body = tl.maximum(tl.minimum(npk, stop - n_sink), 0)
+        tiles_per_split = tl.cdiv(tl.cdiv(n_body, BLOCK_N), tl.maximum(n_splits, 1))
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)

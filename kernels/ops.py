@@ -10,7 +10,7 @@ import os
 import torch
 
 from . import backend
-from .layout import FP8_KINDS, NUQFormat, StreamTensors
+from .layout import SCALED_KINDS, NUQFormat, StaticLayout, StreamTensors
 
 # Launch parameters of the fused attention (the benchmark's sweep sets them; the environment can too):
 # tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
@@ -39,6 +39,8 @@ def on_input_device(launcher):
 
     @functools.wraps(launcher)
     def run(x: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():  # the launcher calls its operator (`library`), which switches itself
+            return launcher(x, *args, **kwargs)
         if x.is_cuda and x.device.index != torch.cuda.current_device():
             with torch.cuda.device(x.device):
                 return launcher(x, *args, **kwargs)
@@ -55,7 +57,8 @@ def _multiprocessors(index: int) -> int:
 def _fmt_code(kind: str) -> int:
     from . import decode
 
-    return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM}[kind]
+    return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM,
+            "exact": decode.FMT_EXACT}[kind]
 
 
 def head_dim_ok(d: int) -> bool:
@@ -119,7 +122,7 @@ def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
     """Pointers and strides of the packed fields: codes + token stride, scale/zero + token and channel strides,
     fp8 scale + batch and head strides."""
     f, fmt = st.fields, st.fmt
-    fp8 = fmt.kind in FP8_KINDS
+    fp8 = fmt.kind in SCALED_KINDS
     if st.n_packed == 0 or not f:
         # Nothing packed yet: a dummy pointer with the token strides the storage will have (same specialization).
         codes = scale = zero = dummy
@@ -167,6 +170,7 @@ def decode_attention(
     scaling: float,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
+    static: StaticLayout | None = None,
 ) -> torch.Tensor:
     """`softmax(q K^T * scaling) V` over every token the layer holds -> `(B, Tq, Hq, D)` in the query dtype.
 
@@ -174,12 +178,16 @@ def decode_attention(
     this step's exact tokens, the last Tn the layer holds, read instead of their stored copies when `exact_new`;
     `attention_mask`: boolean `(B or 1, 1, Tq, S)` (True = attend) over the S held tokens, or None for causal.
     Hq must be a multiple of Hkv (GQA/MQA are read by head mapping).
+
+    `static` (the static form, `hf_kvcache.static`): the places are whole preallocated buffers (`n_packed` their
+    capacity in tokens) and the kernel derives every length from `static.length` on the device; the launch is
+    sized for the capacity, so it never reads a value back and one CUDA graph serves every step.
     """
     from . import decode
 
     if isinstance(keys.fmt, NUQFormat):
         return nuq_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
-                             scaling=scaling, softcap=softcap, s_aux=s_aux)
+                             scaling=scaling, softcap=softcap, s_aux=s_aux, static=static)
     b, hq, tq, d = query.shape
     hkv = k_new.shape[1]
     if hq % hkv:
@@ -190,6 +198,9 @@ def decode_attention(
     n_new = k_new.shape[2] if exact_new else 0
     stop = held - n_new
     dummy = k_new
+    if static is not None:
+        # Lengths come from the device; the host sizes the launch for the capacity (the body's tiles) alone.
+        n_sink, stop = 0, keys.n_packed
 
     # Tiles of at most 16 KB of dequantized K (the body's shared-memory staging grows with it and the stages).
     itemsize = query.element_size()
@@ -228,20 +239,23 @@ def decode_attention(
         *stream_args(keys, k_new),
         *stream_args(values, v_new),
         *m_args,
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, static.length if static is not None else dummy,
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
         stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
         float(scaling), float(softcap or 0.0),
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
-        HAS_MASK=attention_mask is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
         CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, query.dtype), V_OFF=_magic_offset(values.fmt, query.dtype),
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
     )
+    if static is not None:
+        meta.update(STATIC=True, SINK_CAP=static.sink_tokens, K_RING=static.key_ring, V_RING=static.value_ring,
+                    K_WINDOW=static.key_window, V_WINDOW=static.value_window)
     if n_splits:
         decode._attn_fwd[(b * hkv, n_splits, m_tiles)](
             *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=stages
@@ -249,6 +263,50 @@ def decode_attention(
     decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out
+
+
+def static_decode_attention(
+    query: torch.Tensor,
+    keys: StreamTensors,
+    values: StreamTensors,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    static: StaticLayout,
+    *,
+    exact_new: bool,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention` over a static layer's whole buffers, lengths from `static.length` on the device; under
+    torch.compile through the operator `hf_kvcache::static_attention` (`library`)."""
+    if not _compiling():
+        return decode_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
+                                scaling=scaling, softcap=softcap, s_aux=s_aux, static=static)
+    from . import library
+
+    if isinstance(keys.fmt, NUQFormat):
+        return torch.ops.hf_kvcache.static_nuq_attention(
+            query, *library.nuq_tensors(keys), *library.nuq_tensors(values), k_new, v_new, static.length,
+            attention_mask, s_aux, library.nuq_ints(keys), library.nuq_ints(values), static.sink_tokens,
+            float(keys.fmt.rope_scale), exact_new, float(scaling), float(softcap or 0.0), softcap is not None,
+        )
+    layout = [static.sink_tokens, static.key_ring, static.value_ring, int(static.key_window), int(static.value_window)]
+    return torch.ops.hf_kvcache.static_attention(
+        query, *library.stream_tensors(keys), *library.stream_tensors(values), k_new, v_new, static.length,
+        attention_mask, s_aux, library.fmt_ints(keys), library.fmt_ints(values), layout, exact_new, float(scaling),
+        float(softcap or 0.0), softcap is not None,
+    )
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _copy_fields(out: dict[str, torch.Tensor], fields: list[torch.Tensor], names: tuple[str, ...]) -> None:
+    for name, value in zip(names, fields):
+        out[name].copy_(value)
 
 
 def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int]:
@@ -314,10 +372,12 @@ def nuq_attention(
     scaling: float,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
+    static: StaticLayout | None = None,
 ) -> torch.Tensor:
     """`decode_attention` over KVQuant's NUQ layout (`NUQFormat`, kernels in `nuq.py`): `query (B, Hq, Tq, D)`,
     keys `codes (B, Hkv, T, D*b/8)` + outlier slots + `pos (B, 1, T)`, values `codes` + `lo`/`hi (B, Hkv, T, 1)`
-    + slots -> `(B, Tq, Hq, D)`; keys get RoPE at their stored positions after dequantization."""
+    + slots -> `(B, Tq, Hq, D)`; keys get RoPE at their stored positions after dequantization. `static`: as in
+    `decode_attention` (sinks and packed tokens only: KVQuant keeps no residual window)."""
     from . import nuq
 
     b, hq, tq, d = query.shape
@@ -331,6 +391,10 @@ def nuq_attention(
     n_new = k_new.shape[2] if exact_new else 0
     stop = held - n_new
     dummy = k_new
+    if static is not None:
+        if static.key_ring or static.value_ring:
+            raise ValueError("the static NUQ kernel reads sinks and packed tokens only (no residual window)")
+        n_sink, stop = 0, keys.n_packed
     block_n = TUNING["nuq_block_n"]
     rows = tq * g
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
@@ -384,13 +448,14 @@ def nuq_attention(
         *exact_places(keys, k_new), *exact_places(values, v_new),
         *k_args, *v_args,
         *_mask_args(attention_mask, dummy),
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, static.length if static is not None else dummy,
         hkv, tq, n_sink, body, keys.n_packed, _len(keys.residual), stop, n_new, tiles_per_split, n_splits,
         m_tiles, float(scaling), float(softcap or 0.0), float(kf.rope_scale),
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec, HAS_MASK=attention_mask is not None,
         HAS_SOFTCAP=softcap is not None, ROPE=rope, K_BITS=kf.bits, V_BITS=vf.bits, K_S=kf.slots, V_S=vf.slots,
         K_SP=nuq.triton.next_power_of_2(max(kf.slots, 1)), V_SP=nuq.triton.next_power_of_2(max(vf.slots, 1)),
         FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(), SELECT=TUNING["nuq_select"],
+        STATIC=static is not None, SINK_CAP=static.sink_tokens if static is not None else 0,
         num_warps=TUNING["num_warps"], num_stages=2,
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
@@ -411,13 +476,18 @@ def _bh_t_strides(t: torch.Tensor) -> tuple[int, int, int]:
 @on_input_device
 def pack_per_token(
     x: torch.Tensor, out: dict[str, torch.Tensor], bits: int, group_size: int | None, symmetric: bool,
-    clip_ratio: float = 1.0,
+    clip_ratio: float = 1.0, _eager: bool = False,
 ) -> None:
     """`x (B, H, T, D)` -> `out["codes"] (B, H, T, D*bits/8) uint8`, `out["scale"]` (and `out["zero"]` unless
     symmetric) `(B, H, T, D/group) fp16`, written in place (any views with a contiguous last axis).
     Same numbers as `quant.quantize_uniform(x, bits, axis=-1, group_size=group_size, symmetric=symmetric,
     clip_ratio=clip_ratio)`."""
     from . import pack
+
+    if not _eager and _compiling():
+        fields = torch.ops.hf_kvcache.pack_per_token(x, bits, group_size or 0, symmetric, float(clip_ratio))
+        _copy_fields(out, fields, ("codes", "scale") if symmetric else ("codes", "scale", "zero"))
+        return
 
     b, h, t, d = x.shape
     codes, scale = out["codes"], out["scale"]
@@ -439,13 +509,21 @@ def pack_per_channel(
     block_size: int,
     valid: torch.Tensor | None = None,
     range_search: tuple[float, ...] | None = None,
+    complete: torch.Tensor | None = None,
+    _eager: bool = False,
 ) -> None:
     """`x (B, H, n*G, D)` -> `out["codes"] (B, H, n, G, D*bits/8)`, `out["scale"]`, `out["zero"] (B, H, n, D) fp16`:
     each channel of each block of G tokens is one asymmetric group (KIVI keys); `valid (B, n*G)` marks tokens that
     are not left padding. Same numbers as `methods.kivi.PerChannelKeyCodec.encode` (with `range_search`, the chosen
-    candidate can differ where two candidates' squared errors tie to float rounding)."""
+    candidate can differ where two candidates' squared errors tie to float rounding). `complete (n,)` bool, when
+    given: only those blocks are packed, the others written as zeros (the static form's incomplete block)."""
     from . import pack
 
+    if not _eager and _compiling():
+        fields = torch.ops.hf_kvcache.pack_per_channel(
+            x, valid, complete, bits, block_size, None if range_search is None else [float(r) for r in range_search])
+        _copy_fields(out, fields, ("codes", "scale", "zero"))
+        return
     b, h, t, d = x.shape
     grid_vals = tuple(range_search or (0.0,) * 5)
     if len(grid_vals) != 5 or max(grid_vals) >= 0.5:
@@ -460,16 +538,22 @@ def pack_per_channel(
         v_args = [x, 0, 0]
     pack._pack_per_channel[(b * h, t // block_size)](
         x, *_bh_t_strides(x), *v_args, codes, *_bh_t_strides(codes), scale, *_bh_t_strides(scale), zero,
-        h, *grid_vals,
+        complete.view(torch.uint8) if complete is not None else codes, h, *grid_vals,
         D=d, G=block_size, BITS=bits, HAS_VALID=valid is not None, SEARCH=range_search is not None,
+        HAS_KEEP=complete is not None,
     )
 
 
 @on_input_device
-def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, fmax: float) -> None:
+def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, fmax: float,
+             _eager: bool = False) -> None:
     """`x (B, H, T, D)` -> `out (B, H, T, D) uint8`, the fp8 bytes of `clamp(x / scale, -fmax, fmax)`;
     `scale (B or 1, H)`, `fmt` "e4m3" or "e5m2" (`quant.quantize_fp8`)."""
     from . import pack
+
+    if not _eager and _compiling():
+        out.copy_(torch.ops.hf_kvcache.pack_fp8(x, scale, fmt, float(fmax)))
+        return
 
     b, h, t, d = x.shape
     s = scale.to(device=x.device, dtype=torch.float32)
@@ -490,6 +574,7 @@ def pack_nuq(
     *,
     key_norm: tuple[torch.Tensor, ...] | None = None,
     positions: torch.Tensor | None = None,
+    _eager: bool = False,
 ) -> None:
     """KVQuant's encode in place: `x (B, H, T, D)` -> `out["codes"] (B, H, T, D*b/8)`, `out["out_idx"]`/`out["out_val"]
     (B, H, T, s)`; keys (`key_norm` = calibrated `(lo, hi)` and the encode's normalization `(mid, half)`, each
@@ -499,6 +584,17 @@ def pack_nuq(
     Same numbers as `methods.kvquant`'s codecs up to the rounding of the RoPE angles (keys) and of fp32 products."""
     from . import nuq
 
+    if not _eager and _compiling():
+        names = ["codes", "out_idx", "out_val", "lo", "hi"]
+        fields = torch.ops.hf_kvcache.pack_nuq(
+            x, midpoints, fmt.codebook, fmt.inv_freq, [] if key_norm is None else list(key_norm), positions,
+            fmt.bits, fmt.slots, float(fmt.rope_scale))
+        for name, value in zip(names, fields):
+            if name in out:
+                out[name].copy_(value)
+        if "pos" in out and positions is not None and fmt.inv_freq is not None:
+            out["pos"].copy_(positions.to(torch.int32)[:, None])
+        return
     b, h, t, d = x.shape
     keys = key_norm is not None
     rope = keys and fmt.inv_freq is not None
@@ -535,10 +631,13 @@ def pack_nuq(
 
 
 @on_input_device
-def hadamard(x: torch.Tensor) -> torch.Tensor:
+def hadamard(x: torch.Tensor, _eager: bool = False) -> torch.Tensor:
     """`x (..., D)` -> `x @ H / sqrt(D)` in x's dtype (computed in float32), D a power of two up to 256
     (`quant.fwht`)."""
     from . import hadamard as kernel
+
+    if not _eager and _compiling():
+        return torch.ops.hf_kvcache.hadamard(x)
 
     d = x.shape[-1]
     if d < 16 or d > 256 or d & (d - 1):

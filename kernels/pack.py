@@ -91,19 +91,44 @@ def _pack_per_token(
 
 @triton.jit(do_not_specialize=("sv_b",))
 def _pack_per_channel(
-    X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, C, sc_b, sc_h, sc_n, SC, ss_b, ss_h, ss_n, Z,
+    X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, C, sc_b, sc_h, sc_n, SC, ss_b, ss_h, ss_n, Z, KEEP,
     H, r0, r1, r2, r3, r4,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, HAS_VALID: tl.constexpr, SEARCH: tl.constexpr,
+    HAS_KEEP: tl.constexpr = False,
 ):
     """KIVI keys: each channel of a block of G tokens is one asymmetric group (`PerChannelKeyCodec.encode`),
     optionally with the least-squares range search over the grid (r0..r4, each < 0.5) of
-    `quantize_uniform(range_search=)`."""
+    `quantize_uniform(range_search=)`. HAS_KEEP: blocks whose `KEEP` flag is 0 (the static form's incomplete
+    block, never read) are written as zeros without the search."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)  # offsets of large caches pass 2^31
     h = (pid_bh % H).to(tl.int64)
     blk = tl.program_id(1)
     tok = tl.arange(0, G)
     d = tl.arange(0, D)
+    PER: tl.constexpr = 8 // BITS
+    nb = tl.arange(0, D // PER)
+    keep = True
+    if HAS_KEEP:
+        keep = tl.load(KEEP + blk) != 0
+    if keep:
+        packed, scale, zero = _per_channel_block(X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, b, h, blk, tok, d,
+                                                 r0, r1, r2, r3, r4, D, G, BITS, HAS_VALID, SEARCH)
+    else:
+        packed = tl.zeros((G, D // PER), tl.uint8)
+        scale = tl.zeros((D,), tl.float32)
+        zero = tl.zeros((D,), tl.float32)
+    base = C + b * sc_b + h * sc_h + blk * sc_n
+    tl.store(base + tok[:, None] * (D // PER) + nb[None, :], packed)
+    tl.store(SC + b * ss_b + h * ss_h + blk * ss_n + d, scale.to(tl.float16))
+    tl.store(Z + b * ss_b + h * ss_h + blk * ss_n + d, zero.to(tl.float16))
+
+
+@triton.jit
+def _per_channel_block(X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, b, h, blk, tok, d, r0, r1, r2, r3, r4,
+                       D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, HAS_VALID: tl.constexpr,
+                       SEARCH: tl.constexpr):
+    """One block of `_pack_per_channel`: (packed codes (G, D * BITS / 8) uint8, scale (D,), zero (D,) float32)."""
     x = tl.load(X + b * sx_b + h * sx_h + (blk * G + tok)[:, None] * sx_t + d[None, :]).to(tl.float32)  # (G, D)
     if HAS_VALID:
         # Left padding takes the value of the block's first valid token (a block with none: of its first token).
@@ -140,13 +165,7 @@ def _pack_per_channel(
                     scale = tl.where(better, cs, scale)
                     zero = tl.where(better, cz, zero)
                     best = tl.minimum(err, best)
-    PER: tl.constexpr = 8 // BITS
-    packed = _pack_rows(q.to(tl.int32), G, D, BITS)
-    nb = tl.arange(0, D // PER)
-    base = C + b * sc_b + h * sc_h + blk * sc_n
-    tl.store(base + tok[:, None] * (D // PER) + nb[None, :], packed)
-    tl.store(SC + b * ss_b + h * ss_h + blk * ss_n + d, scale.to(tl.float16))
-    tl.store(Z + b * ss_b + h * ss_h + blk * ss_n + d, zero.to(tl.float16))
+    return _pack_rows(q.to(tl.int32), G, D, BITS), scale, zero
 
 
 @triton.jit

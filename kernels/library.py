@@ -1,0 +1,243 @@
+"""The launchers as PyTorch operators (`torch.ops.hf_kvcache.*`), for torch.compile.
+
+Dynamo cannot trace a launcher's Python (grids, strides, dataclasses) and Inductor, meeting a plain `@triton.jit`
+kernel, tries to rebuild it (DESIGN.md's pitfall: it failed on our pack kernel). Under torch.compile every
+launcher in `ops` calls itself through one of these custom operators instead: opaque to the compiler, with a fake
+implementation giving the output's shape, and captured as is by CUDA graphs. Eager code calls the launchers
+directly, which saves the dispatcher's host time. Operators are functional (fresh outputs, nothing mutated), so
+that Inductor fuses the copies into the cache around them. The tensor arguments are flat: a format is a list of
+ints (`_fmt_ints`), a place absent is None.
+
+No `from __future__ import annotations` here: the operators' schemas are read from the annotations.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .layout import NUQFormat, PackedFormat, StaticLayout, StreamTensors
+
+_KINDS = ("fp8-e4m3", "fp8-e5m2", "uniform", "exact")
+
+
+def fmt_ints(st: StreamTensors) -> list[int]:
+    """`[kind, bits, token_group, channel_group, symmetric, n_packed]` of a stream's packed format."""
+    f = st.fmt
+    return [_KINDS.index(f.kind), f.bits, f.token_group, f.channel_group, int(f.symmetric), st.n_packed]
+
+
+def _stream(sink, codes, scale, zero, residual, f8, ints: list[int]) -> StreamTensors:
+    kind, bits, token_group, channel_group, symmetric, n_packed = ints
+    fmt = PackedFormat(kind=_KINDS[kind], bits=bits, token_group=token_group, channel_group=channel_group,
+                       symmetric=bool(symmetric), scale=f8)
+    fields = {"codes": codes}
+    if scale is not None:
+        fields["scale"] = scale
+    if zero is not None:
+        fields["zero"] = zero
+    return StreamTensors(sink=sink, fields=fields, fmt=fmt, n_packed=n_packed, residual=residual)
+
+
+def stream_tensors(st: StreamTensors) -> list[Optional[Tensor]]:
+    """`[sink, codes, scale, zero, residual, fp8 scale]` of a stream (None where absent)."""
+    f = st.fields
+    return [st.sink, f["codes"], f.get("scale"), f.get("zero"), st.residual, st.fmt.scale]
+
+
+@torch.library.custom_op("hf_kvcache::static_attention", mutates_args=())
+def static_attention(
+    query: Tensor,
+    k_sink: Optional[Tensor], k_codes: Tensor, k_scale: Optional[Tensor], k_zero: Optional[Tensor],
+    k_res: Optional[Tensor], k_f8: Optional[Tensor],
+    v_sink: Optional[Tensor], v_codes: Tensor, v_scale: Optional[Tensor], v_zero: Optional[Tensor],
+    v_res: Optional[Tensor], v_f8: Optional[Tensor],
+    k_new: Tensor, v_new: Tensor, length: Tensor, mask: Optional[Tensor], s_aux: Optional[Tensor],
+    k_fmt: list[int], v_fmt: list[int], layout: list[int], exact_new: bool, scaling: float, softcap: float,
+    has_softcap: bool,
+) -> Tensor:
+    from . import ops
+
+    keys = _stream(k_sink, k_codes, k_scale, k_zero, k_res, k_f8, k_fmt)
+    values = _stream(v_sink, v_codes, v_scale, v_zero, v_res, v_f8, v_fmt)
+    static = StaticLayout(length, layout[0], layout[1], layout[2], bool(layout[3]), bool(layout[4]))
+    return ops.decode_attention(
+        query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
+        softcap=softcap if has_softcap else None, s_aux=s_aux, static=static,
+    )
+
+
+@static_attention.register_fake
+def _(query, *args, **kwargs):
+    b, hq, tq, d = query.shape
+    return query.new_empty((b, tq, hq, d))
+
+
+@torch.library.custom_op("hf_kvcache::pack_per_token", mutates_args=())
+def pack_per_token(x: Tensor, bits: int, group_size: int, symmetric: bool, clip_ratio: float) -> list[Tensor]:
+    """-> `[codes, scale, zero]` (zero empty when symmetric); `group_size` 0 = head_dim."""
+    from . import ops
+
+    out = _per_token_out(x, bits, group_size, symmetric)
+    ops.pack_per_token(x, out, bits, group_size or None, symmetric, clip_ratio, _eager=True)
+    return [out["codes"], out["scale"], out.get("zero", x.new_empty((0,), dtype=torch.float16))]
+
+
+def _per_token_out(x: Tensor, bits: int, group_size: int, symmetric: bool) -> dict:
+    b, h, t, d = x.shape
+    out = {"codes": x.new_empty((b, h, t, d * bits // 8), dtype=torch.uint8),
+           "scale": x.new_empty((b, h, t, d // (group_size or d)), dtype=torch.float16)}
+    if not symmetric:
+        out["zero"] = torch.empty_like(out["scale"])
+    return out
+
+
+@pack_per_token.register_fake
+def _(x, bits, group_size, symmetric, clip_ratio):
+    out = _per_token_out(x, bits, group_size, symmetric)
+    return [out["codes"], out["scale"], out.get("zero", x.new_empty((0,), dtype=torch.float16))]
+
+
+@torch.library.custom_op("hf_kvcache::pack_per_channel", mutates_args=())
+def pack_per_channel(x: Tensor, valid: Optional[Tensor], complete: Optional[Tensor], bits: int, block_size: int,
+                     range_search: Optional[list[float]]) -> list[Tensor]:
+    """-> `[codes (B, H, n, G, D*b/8), scale (B, H, n, D), zero (B, H, n, D)]`."""
+    from . import ops
+
+    out = _per_channel_out(x, bits, block_size)
+    ops.pack_per_channel(x, out, bits, block_size, valid, tuple(range_search) if range_search else None,
+                         complete=complete, _eager=True)
+    return [out["codes"], out["scale"], out["zero"]]
+
+
+def _per_channel_out(x: Tensor, bits: int, block_size: int) -> dict:
+    b, h, t, d = x.shape
+    n = t // block_size
+    return {"codes": x.new_empty((b, h, n, block_size, d * bits // 8), dtype=torch.uint8),
+            "scale": x.new_empty((b, h, n, d), dtype=torch.float16),
+            "zero": x.new_empty((b, h, n, d), dtype=torch.float16)}
+
+
+@pack_per_channel.register_fake
+def _(x, valid, complete, bits, block_size, range_search):
+    out = _per_channel_out(x, bits, block_size)
+    return [out["codes"], out["scale"], out["zero"]]
+
+
+@torch.library.custom_op("hf_kvcache::pack_fp8", mutates_args=())
+def pack_fp8(x: Tensor, scale: Tensor, fmt: str, fmax: float) -> Tensor:
+    from . import ops
+
+    out = x.new_empty(x.shape, dtype=torch.uint8)
+    ops.pack_fp8(x, out, scale, fmt, fmax, _eager=True)
+    return out
+
+
+@pack_fp8.register_fake
+def _(x, scale, fmt, fmax):
+    return x.new_empty(x.shape, dtype=torch.uint8)
+
+
+@torch.library.custom_op("hf_kvcache::hadamard", mutates_args=())
+def hadamard(x: Tensor) -> Tensor:
+    from . import ops
+
+    return ops.hadamard(x, _eager=True)
+
+
+@hadamard.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_NUQ_FIELDS = ("codes", "out_idx", "out_val", "pos", "lo", "hi")
+
+
+def nuq_tensors(st: StreamTensors) -> list[Optional[Tensor]]:
+    """`[sink, codes, out_idx, out_val, pos, lo, hi, codebook, mid, half, inv_freq]` of a NUQ stream."""
+    f, fmt = st.fields, st.fmt
+    return [st.sink, *(f.get(k) for k in _NUQ_FIELDS), fmt.codebook, fmt.mid, fmt.half, fmt.inv_freq]
+
+
+def nuq_ints(st: StreamTensors) -> list[int]:
+    return [st.fmt.bits, st.fmt.slots, st.n_packed]
+
+
+def _nuq_stream(tensors: list, ints: list[int], rope_scale: float) -> StreamTensors:
+    sink, *fields, codebook, mid, half, inv_freq = tensors
+    bits, slots, n_packed = ints
+    fmt = NUQFormat(bits, codebook, slots, mid=mid, half=half, inv_freq=inv_freq, rope_scale=rope_scale)
+    named = {k: v for k, v in zip(_NUQ_FIELDS, fields) if v is not None}
+    return StreamTensors(sink=sink, fields=named, fmt=fmt, n_packed=n_packed, residual=None)
+
+
+@torch.library.custom_op("hf_kvcache::static_nuq_attention", mutates_args=())
+def static_nuq_attention(
+    query: Tensor,
+    k_sink: Optional[Tensor], k_codes: Tensor, k_out_idx: Optional[Tensor], k_out_val: Optional[Tensor],
+    k_pos: Optional[Tensor], k_lo: Optional[Tensor], k_hi: Optional[Tensor], k_codebook: Tensor,
+    k_mid: Optional[Tensor], k_half: Optional[Tensor], k_inv_freq: Optional[Tensor],
+    v_sink: Optional[Tensor], v_codes: Tensor, v_out_idx: Optional[Tensor], v_out_val: Optional[Tensor],
+    v_pos: Optional[Tensor], v_lo: Optional[Tensor], v_hi: Optional[Tensor], v_codebook: Tensor,
+    v_mid: Optional[Tensor], v_half: Optional[Tensor], v_inv_freq: Optional[Tensor],
+    k_new: Tensor, v_new: Tensor, length: Tensor, mask: Optional[Tensor], s_aux: Optional[Tensor],
+    k_ints: list[int], v_ints: list[int], sink_tokens: int, rope_scale: float, exact_new: bool, scaling: float,
+    softcap: float, has_softcap: bool,
+) -> Tensor:
+    from . import ops
+
+    keys = _nuq_stream([k_sink, k_codes, k_out_idx, k_out_val, k_pos, k_lo, k_hi, k_codebook, k_mid, k_half,
+                        k_inv_freq], k_ints, rope_scale)
+    values = _nuq_stream([v_sink, v_codes, v_out_idx, v_out_val, v_pos, v_lo, v_hi, v_codebook, v_mid, v_half,
+                          v_inv_freq], v_ints, 1.0)
+    return ops.nuq_attention(
+        query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
+        softcap=softcap if has_softcap else None, s_aux=s_aux, static=StaticLayout(length, sink_tokens),
+    )
+
+
+@static_nuq_attention.register_fake
+def _(query, *args, **kwargs):
+    b, hq, tq, d = query.shape
+    return query.new_empty((b, tq, hq, d))
+
+
+@torch.library.custom_op("hf_kvcache::pack_nuq", mutates_args=())
+def pack_nuq(x: Tensor, midpoints: Tensor, codebook: Tensor, inv_freq: Optional[Tensor],
+             key_norm: list[Tensor], positions: Optional[Tensor], bits: int, slots: int,
+             rope_scale: float) -> list[Tensor]:
+    """-> `[codes, out_idx, out_val, lo, hi]` (each empty where the stream has no such field); `key_norm` empty
+    for values."""
+    from . import ops
+
+    out = _nuq_out(x, bits, slots, keys=bool(key_norm))
+    if positions is not None and inv_freq is not None:
+        out["pos"] = x.new_empty((x.shape[0], 1, x.shape[2]), dtype=torch.int32)
+    fmt = NUQFormat(bits, codebook, slots, inv_freq=inv_freq, rope_scale=rope_scale)
+    ops.pack_nuq(x, out, fmt, midpoints, key_norm=tuple(key_norm) if key_norm else None,
+                 positions=positions, _eager=True)
+    return _nuq_list(x, out)
+
+
+def _nuq_list(x: Tensor, out: dict) -> list[Tensor]:
+    # a fresh empty tensor for each absent field: an operator's outputs may not alias each other
+    return [out[k] if k in out else x.new_empty((0,), dtype=torch.float16)
+            for k in ("codes", "out_idx", "out_val", "lo", "hi")]
+
+
+def _nuq_out(x: Tensor, bits: int, slots: int, keys: bool) -> dict:
+    b, h, t, d = x.shape
+    out = {"codes": x.new_empty((b, h, t, d * bits // 8), dtype=torch.uint8)}
+    if slots:
+        out["out_idx"] = x.new_empty((b, h, t, slots), dtype=torch.uint8)
+        out["out_val"] = x.new_empty((b, h, t, slots), dtype=torch.float16)
+    if not keys:
+        out["lo"] = x.new_empty((b, h, t, 1), dtype=torch.float16)
+        out["hi"] = x.new_empty((b, h, t, 1), dtype=torch.float16)
+    return out
+
+
+@pack_nuq.register_fake
+def _(x, midpoints, codebook, inv_freq, key_norm, positions, bits, slots, rope_scale):
+    out = _nuq_out(x, bits, slots, keys=bool(key_norm))
+    return _nuq_list(x, out)
