@@ -6,6 +6,7 @@ Importing the package registers the `hf_kvcache` attention (and its mask functio
 
 from .attention import ATTENTION_NAME, register as _register_attention
 from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVCache, QuantizedKVLayer
+from .methods.exact import ExactCache
 from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
@@ -22,6 +23,7 @@ __all__ = [
     "ATTENTION_NAME",
     "Codec",
     "DEFAULT_MODEL",
+    "ExactCache",
     "KIVICache",
     "KVHandle",
     "KVQuantCache",

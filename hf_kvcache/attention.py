@@ -25,6 +25,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import kernels
 from .cache import KVHandle
+from .static import static_attention
 
 ATTENTION_NAME = "hf_kvcache"
 REFERENCE_CHUNK_TOKENS = 256
@@ -108,6 +109,8 @@ def hf_kvcache_attention(
         scaling = query.shape[-1] ** -0.5
     query = key.layer.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
     softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
+    if getattr(key.layer, "is_static", False):
+        return static_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux), None
     if kernels.use_kernels(query.device):
         out = fused_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
         if out is not None:

@@ -720,15 +720,23 @@ class QuantizedKVCache(Cache):
     every token; sliding-window (and chunked) layers keep their window; layers that share another layer's K/V
     get transformers' `DummyLayer`. Models with layers that are not attention (Mamba/linear attention) are
     refused with a ValueError.
+
+    `max_cache_len` (tokens) builds the static form instead (`hf_kvcache.static`): every place allocated up front,
+    lengths on the device, `torch.compile` and CUDA graphs over the decode step.
     """
 
-    def __init__(self, config, policy_factory: Callable[[int], LayerPolicy]):
+    def __init__(self, config, policy_factory: Callable[[int], LayerPolicy], max_cache_len: int | None = None):
+        from .static import StaticQuantizedKVLayer, check_max_cache_len
+
         self.config = config
+        self._max_cache_len = check_max_cache_len(max_cache_len)  # transformers 5.17 has a read-only max_cache_len
         specs = _compat.layer_specs(config)
         layers: list = []
         for idx, spec in enumerate(specs):
             if spec.kind == "dummy":
                 layers.append(_compat.DummyLayer())
+            elif self._max_cache_len is not None:
+                layers.append(StaticQuantizedKVLayer(policy_factory(idx), self._max_cache_len, spec.sliding_window))
             else:
                 layers.append(QuantizedKVLayer(policy_factory(idx), sliding_window=spec.sliding_window))
         super().__init__(layers=layers)
@@ -742,6 +750,9 @@ class QuantizedKVCache(Cache):
         and layer i is copied out after its step. Only CUDA layers move (a CPU-only model is unchanged);
         `only_non_sliding` keeps sliding-window layers, which stay small, resident. Returns the cache:
         `make_cache("int4-g32", model).enable_offloading()`."""
+        if self._max_cache_len is not None:
+            raise ValueError("a static cache (max_cache_len) cannot be offloaded: its storage must stay where CUDA "
+                             "graphs replay over it; build the dynamic form (no max_cache_len) to offload")
         self.offloading = True
         self.only_non_sliding = bool(only_non_sliding)
         self.prefetch_stream = None  # created on the device of the first CUDA update

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from transformers import DynamicCache
 
+from .methods.exact import ExactCache
 from .methods.fp8 import QuantizedFP8Cache
 from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
@@ -36,6 +37,10 @@ def _dynamic(config, **kwargs):
 
 PRESETS: dict[str, Preset] = {
     "none": Preset(_dynamic, {}, "no quantization: transformers' DynamicCache in the model dtype (the baseline)"),
+    "exact": Preset(
+        ExactCache, {}, "no quantization, K/V in the model dtype through this library's core and kernels: the 16-bit "
+        "baseline of the static form (max_cache_len=, torch.compile)"
+    ),
     "fp8-e4m3": Preset(QuantizedFP8Cache, {"fmt": "e4m3"}, "FP8 E4M3, dynamic per-head scale"),
     "fp8-e5m2": Preset(QuantizedFP8Cache, {"fmt": "e5m2"}, "FP8 E5M2, dynamic per-head scale"),
     "int8": Preset(QuantizedIntCache, {"bits": 8}, "INT8 per-token symmetric, fp16 scale"),

@@ -147,6 +147,8 @@ class QuantizedFP8Cache(QuantizedKVCache):
             scales (default 2); for an artifact, None (default) takes its fitted scales, and a number gives
             `amax * headroom / fp8_max`.
         sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
+        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
+            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         fmt: str = "e4m3",
         scale: str = "dynamic",
         *,
+        max_cache_len: int | None = None,
         scales=None,
         calibration=None,
         headroom: float | None = None,
@@ -189,4 +192,4 @@ class QuantizedFP8Cache(QuantizedKVCache):
                 value_residual_length=residual_length,
             )
 
-        super().__init__(config, policy)
+        super().__init__(config, policy, max_cache_len=max_cache_len)

@@ -88,6 +88,8 @@ class QuantizedIntCache(QuantizedKVCache):
         sink_tokens: first tokens kept in the model dtype (default 0).
         residual_length: most recent tokens kept in the model dtype (default 0).
         clip_ratio: asymmetric groups quantize the range [min * r, max * r] (default 1: no clipping).
+        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
+            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class QuantizedIntCache(QuantizedKVCache):
         bits: int = 4,
         group_size: int | None = -1,
         *,
+        max_cache_len: int | None = None,
         symmetric: bool | None = None,
         sink_tokens: int = 0,
         residual_length: int = 0,
@@ -124,4 +127,4 @@ class QuantizedIntCache(QuantizedKVCache):
                 value_residual_length=residual_length,
             )
 
-        super().__init__(config, policy)
+        super().__init__(config, policy, max_cache_len=max_cache_len)

@@ -37,6 +37,8 @@ class PerChannelKeyCodec(Codec):
     """Blocks of G tokens quantized per channel: fields `codes (B, H, n, G, D*bits/8) uint8` (each token's codes
     packed along D), `scale (B, H, n, D) fp16` and `zero (B, H, n, D) fp16`, n = blocks."""
 
+    skips_incomplete_blocks = True  # `encode(complete=)`, see there
+
     def __init__(self, bits: int, group_size: int, range_search: tuple[float, ...] | None = None):
         super().__init__()
         self.bits = bits
@@ -53,13 +55,17 @@ class PerChannelKeyCodec(Codec):
             and (self.range_search is None or len(self.range_search) == 5)
         )
 
-    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor],
+                    complete: torch.Tensor | None = None) -> None:
         if self._kernel(x):
-            kernels.ops.pack_per_channel(x, out, self.bits, self.block_size, valid, self.range_search)
+            kernels.ops.pack_per_channel(x, out, self.bits, self.block_size, valid, self.range_search, complete)
         else:
             super().encode_into(x, valid, out)
 
-    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None,
+               complete: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """`complete (n,)` bool (the static form): blocks not complete yet are never read, and the kernel writes
+        them as zeros without quantizing; the reference quantizes every block."""
         b, h, t, d = x.shape
         g = self.block_size
         if self._kernel(x):
@@ -68,10 +74,11 @@ class PerChannelKeyCodec(Codec):
                 "scale": torch.empty((b, h, t // g, d), dtype=torch.float16, device=x.device),
                 "zero": torch.empty((b, h, t // g, d), dtype=torch.float16, device=x.device),
             }
-            self.encode_into(x, valid, out)
+            self.encode_into(x, valid, out, complete)
             return out
         blocks = x.float().reshape(b, h, t // g, g, d)  # (B, H, n, G, D): a group is one channel of a block
-        if valid is not None and not bool(valid.all()):
+        # Traced (the static form under torch.compile), the fill runs always: a no-op where every token is valid.
+        if valid is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
             blocks = _fill_padding(blocks, valid.reshape(b, 1, t // g, g, 1))
         q = quantize_uniform(blocks, self.bits, axis=3, group_size=None, range_search=self.range_search)
         return {"codes": pack_bits(q.codes, self.bits), "scale": q.scale.squeeze(3), "zero": q.zero.squeeze(3)}
@@ -113,6 +120,8 @@ class KIVICache(QuantizedKVCache):
         key_range_search: choose each key group's range by least squared error over `KEY_RANGE_GRID` instead of
             min/max (default False, KIVI as published). Same bytes; measured to help 2-bit keys on the default
             model (see the README's KIVI section).
+        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
+            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
     """
 
     def __init__(
@@ -122,6 +131,7 @@ class KIVICache(QuantizedKVCache):
         group_size: int = 32,
         residual_length: int = 128,
         *,
+        max_cache_len: int | None = None,
         sink_tokens: int = 0,
         key_range_search: bool = False,
     ):
@@ -151,4 +161,4 @@ class KIVICache(QuantizedKVCache):
                 value_flush="fifo",
             )
 
-        super().__init__(config, policy)
+        super().__init__(config, policy, max_cache_len=max_cache_len)

@@ -211,6 +211,8 @@ class KVQuantCache(QuantizedKVCache):
         outlier_fraction: share of each token vector kept exact in sparse slots (default 0.01; 0 turns the
             sparse part off and clamps to the calibrated ranges).
         sink_tokens: first tokens kept exact (default 1).
+        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
+            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
         pre_rope: quantize keys before RoPE (default True; False is the post-RoPE ablation, with the
             calibration's post-RoPE thresholds and codebooks).
         nuq: the calibrated codebooks (default True; False is the uniform ablation: 2^bits evenly spaced levels
@@ -222,6 +224,7 @@ class KVQuantCache(QuantizedKVCache):
         config,
         bits: int = 3,
         *,
+        max_cache_len: int | None = None,
         calibration=None,
         ropes: list[LayerRope] | None = None,
         outlier_fraction: float = 0.01,
@@ -257,7 +260,7 @@ class KVQuantCache(QuantizedKVCache):
                 sink_tokens=sink_tokens,
             )
 
-        super().__init__(config, policy)
+        super().__init__(config, policy, max_cache_len=max_cache_len)
 
     @classmethod
     def from_model(cls, model, calibration=None, **kwargs) -> KVQuantCache:

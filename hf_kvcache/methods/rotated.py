@@ -117,6 +117,8 @@ class RotatedCache(QuantizedKVCache):
         clip_ratio: range `[min * r, max * r]` of each group (default 0.9 at 4 bits, 0.8 at 3, 0.6 at 2).
         sink_tokens: first tokens kept in the model dtype (default 0).
         residual_length: most recent tokens kept in the model dtype (default 0).
+        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
+            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class RotatedCache(QuantizedKVCache):
         config,
         bits: int = 4,
         *,
+        max_cache_len: int | None = None,
         fusion=None,
         group_size: int | None = None,
         clip_ratio: float | None = None,
@@ -159,7 +162,7 @@ class RotatedCache(QuantizedKVCache):
                 key_rotation=rotation,
             )
 
-        super().__init__(config, policy)
+        super().__init__(config, policy, max_cache_len=max_cache_len)
 
     @classmethod
     def from_model(cls, model, bits: int = 4, *, seed: int = 0, **kwargs) -> RotatedCache:
