@@ -6,6 +6,7 @@ import pytest
 from transformers import DynamicCache
 
 from hf_kvcache import PRESETS, describe, make_cache
+from hf_kvcache.methods.exact import ExactCache
 from hf_kvcache.methods.fp8 import QuantizedFP8Cache
 from hf_kvcache.methods.int import QuantizedIntCache
 from hf_kvcache.methods.kivi import KIVICache
@@ -19,7 +20,7 @@ from tests.helpers.tiny_models import tiny_model
 def test_every_preset_builds_and_describes_itself(spec):
     model = tiny_model("qwen3")  # head_dim 128: every group size divides it
     cache = make_cache(spec, model)
-    methods = (QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache)
+    methods = (ExactCache, QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache)
     assert isinstance(cache, DynamicCache if spec == "none" else methods)
     assert describe(spec)
 

@@ -4,6 +4,7 @@ Adding a method adds a row here; the smoke tests over every tiny model config pi
 from __future__ import annotations
 
 METHODS: list[tuple[str, dict, dict]] = [
+    ("exact", {}, {"sink_tokens": 2}),
     ("fp8-e4m3", {}, {"scale": "none", "sink_tokens": 2, "residual_length": 3}),
     ("fp8-e5m2", {}, {"headroom": 1.0, "residual_length": 8}),
     ("int8", {}, {"sink_tokens": 3, "residual_length": 5}),

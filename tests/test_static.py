@@ -1,0 +1,192 @@
+"""The static form (`hf_kvcache.static`, `max_cache_len=`): the same tokens as the dynamic form, a decode step that
+dynamo traces whole (`fullgraph=True`), and clear errors for what it cannot do. On CUDA: greedy tokens of the
+compiled step (transformers' own compile rule: Inductor and CUDA graphs) equal the eager step's, with no
+recompile over a long generation, and storage within 2% of the planner's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.configuration_utils import CompileConfig
+
+from hf_kvcache import _compat, make_cache
+from hf_kvcache.static import StaticQuantizedKVLayer
+from tests.helpers.methods import METHODS
+from tests.helpers.tiny_models import left_padded_batch, tiny_input_ids, tiny_model
+
+IDS = [m[0] for m in METHODS]
+
+
+def _greedy(model, ids, cache, n, mask=None, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kwargs,
+                          **_compat.cache_kwargs(cache))
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+def test_static_form_generates_the_dynamic_forms_tokens(spec, easy, hard, name, attn):
+    """Same codes, same places, same reads: greedy tokens of the static form equal the dynamic form's, left
+    padding, sinks, windows, KIVI's flushes and sliding layers (gemma) included."""
+    model = tiny_model(name, attn)
+    ids, mask = left_padded_batch(model, lengths=(23, 7))
+    for kwargs in (easy, hard):
+        dynamic = _greedy(model, ids, make_cache(spec, model, **kwargs), 40, mask)
+        cache = make_cache(spec, model, **kwargs, max_cache_len=80)
+        static = _greedy(model, ids, cache, 40, mask, disable_compile=True)
+        assert torch.equal(static, dynamic), kwargs
+        assert all(isinstance(layer, StaticQuantizedKVLayer) for layer in cache.layers)
+        assert int(cache.get_seq_length()) == 23 + 40 - 1
+
+
+@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+def test_decode_step_traces_whole(spec, easy, hard):
+    """`torch.compile(fullgraph=True)` traces the decode step (update plus attention, every place in use: the hard
+    overrides), through `generate`'s own compile path, with one graph for every step and the eager tokens."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", "hf_kvcache")
+    ids = tiny_input_ids(model, batch=2, length=12)
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    eager = _greedy(model, ids, make_cache(spec, model, **hard, max_cache_len=64), 30, disable_compile=True)
+    before = _unique_graphs()
+    traced = _greedy(model, ids, make_cache(spec, model, **hard, max_cache_len=64), 30, compile_config=config)
+    assert _unique_graphs() - before == 1  # one graph, no recompile over 29 steps
+    assert torch.equal(traced, eager)
+
+
+def test_a_sequence_past_max_cache_len_is_refused_before_anything_is_written():
+    model = tiny_model("llama")
+    ids = tiny_input_ids(model, batch=1, length=20)
+    cache = make_cache("int4-g32", model, max_cache_len=24)
+    _greedy(model, ids, cache, 4, disable_compile=True)
+    layer = cache.layers[0]
+    before = [t.clone() for t in layer.stored_tensors()]
+    with pytest.raises(ValueError, match="max_cache_len=24 tokens: 23 are held and 2 more do not fit"):
+        model(torch.ones((1, 2), dtype=torch.long), use_cache=True, **_compat.cache_kwargs(cache))
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.stored_tensors()))
+    assert int(cache.get_seq_length()) == 23
+
+
+def test_bad_static_input_says_what_to_do():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="max_cache_len=0 must be a positive number"):
+        make_cache("fp8-e4m3", model, max_cache_len=0)
+    cache = make_cache("int8", model, max_cache_len=64)
+    with pytest.raises(ValueError, match="cannot be offloaded"):
+        cache.enable_offloading()
+    _greedy(model, tiny_input_ids(model, batch=2, length=8), cache, 2, disable_compile=True)
+    with pytest.raises(ValueError, match="built for batch 2 .* build a new cache"):
+        _greedy(model, tiny_input_ids(model, batch=3, length=8), cache, 2, disable_compile=True)
+
+
+@pytest.mark.parametrize("spec,easy,hard", [m for m in METHODS if m[0] in ("int4-g32", "kivi-2", "fp8-e4m3")],
+                         ids=["int4-g32", "kivi-2", "fp8-e4m3"])
+def test_prompt_lookup_reset_and_beam_search_in_the_static_form(spec, easy, hard):
+    """Crops (prompt lookup), reset and reuse, and beam search's reorders act on the static storage."""
+    model = tiny_model("llama")
+    prompt = tiny_input_ids(model, batch=1, length=8, seed=1).repeat(1, 5)
+    cache = make_cache(spec, model, **hard, max_cache_len=128)
+    looked_up = _greedy(model, prompt, cache, 30, prompt_lookup_num_tokens=4, disable_compile=True)
+    assert torch.equal(looked_up, _greedy(model, prompt, make_cache(spec, model, **hard), 30,
+                                          prompt_lookup_num_tokens=4))
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0
+    again = _greedy(model, prompt, cache, 30, disable_compile=True)
+    assert torch.equal(again, _greedy(model, prompt, make_cache(spec, model, **hard), 30))
+    beams = _greedy(model, prompt, make_cache(spec, model, **hard, max_cache_len=128), 12, num_beams=3,
+                    disable_compile=True)
+    assert torch.equal(beams, _greedy(model, prompt, make_cache(spec, model, **hard), 12, num_beams=3))
+
+
+def test_static_storage_is_the_bytes_the_planner_predicts():
+    """A static cache allocates, for its `max_cache_len`, within 2% of what `hf-kvcache plan` predicts for that
+    context (the default model's shape; one layer measured, every layer alike). The difference is a FIFO window's
+    tokens, which the static form also packs, and the spare rows."""
+    from hf_kvcache.planner import load_config, plan
+
+    _, config = load_config("smollm2-135m")
+    context = 32768
+    specs = ["exact", "fp8-e4m3", "int8", "int4-g32", "int2-g32", "kivi-4", "kivi-2"]
+    planned = plan("smollm2-135m", context=context, methods=specs)
+    layers, kv_heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    one = torch.zeros((1, kv_heads, 1, head_dim), dtype=torch.bfloat16)
+    for spec in specs:
+        cache = make_cache(spec, config, max_cache_len=context)
+        cache.layers[0].update(one, one)
+        allocated = cache.layers[0].allocated_nbytes() * layers
+        predicted = planned.row(spec).sequence_bytes
+        assert abs(allocated / predicted - 1) <= 0.02, (spec, allocated, predicted)
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA
+
+
+def _cuda_case(name: str, spec: str, kwargs: dict, n: int, **generate_kwargs):
+    """(eager tokens, compiled tokens, new graphs) of `n` greedy steps of a tiny float32 model on CUDA."""
+    # float32: Inductor's fused kernels round differently from eager ones, and in bf16 a random tiny model's
+    # near-tied logits then pick other tokens (FP8 casts turn such last-bit differences into whole FP8 steps).
+    model = tiny_model(name, "hf_kvcache").to("cuda", torch.float32)
+    ids, mask = left_padded_batch(model, lengths=(40, 11))
+    ids, mask = ids.cuda(), mask.cuda()
+    torch._dynamo.reset()
+    eager = _greedy(model, ids, make_cache(spec, model, **kwargs, max_cache_len=n + 64), n, mask, min_new_tokens=n,
+                    disable_compile=True)
+    before = _unique_graphs()
+    compiled = _greedy(model, ids, make_cache(spec, model, **kwargs, max_cache_len=n + 64), n, mask,
+                       min_new_tokens=n, **generate_kwargs)
+    return eager, compiled, _unique_graphs() - before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama", "gemma", "qwen3", "mqa"])
+@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+def test_captured_decode_step_equals_eager_on_cuda(spec, easy, hard, name):
+    """The whole decode step traced by dynamo, our operators inside, replayed as a CUDA graph (torch.compile's
+    `cudagraphs` backend: everything of the compiled path but Inductor's own kernels), every place in use (the
+    hard overrides), 512 steps (KIVI's flushes, sliding windows): the eager tokens, one graph."""
+    config = CompileConfig(fullgraph=True, backend="cudagraphs", mode=None)
+    eager, compiled, graphs = _cuda_case(name, spec, hard, 512, compile_config=config)
+    assert graphs == 1, "recompiled"
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+def test_generate_compiles_the_static_cache_by_itself_on_cuda(spec, easy, hard):
+    """transformers' own rule (`is_compileable`, Inductor, `mode="reduce-overhead"`) compiles the decode step once
+    for 512 steps, and its greedy tokens are the eager step's."""
+    eager, compiled, graphs = _cuda_case("llama", spec, hard, 512)
+    assert graphs == 1, "recompiled"
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["exact", "fp8-e4m3", "int8", "int4-g128", "kivi-2"])
+def test_default_model_shape_compiled_equals_eager(spec):
+    """64 greedy tokens of a model with the default model's config (random weights: the GPU host has no copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                         tie_word_embeddings=True)
+    config._attn_implementation = "hf_kvcache"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()  # float32: see the test above
+    ids = torch.randint(0, config.vocab_size, (2, 300), device="cuda")
+    torch._dynamo.reset()
+    eager = _greedy(model, ids, make_cache(spec, model, max_cache_len=400), 64, min_new_tokens=64,
+                    disable_compile=True)
+    compiled = _greedy(model, ids, make_cache(spec, model, max_cache_len=400), 64, min_new_tokens=64)
+    assert torch.equal(compiled, eager)
+
