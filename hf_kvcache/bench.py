@@ -51,6 +51,8 @@ class BenchConfig:
     sweep_batch: int = 16
     sweep_context: int = 32768
     multi_gpu_layers: int = 32
+    decode_batches: tuple[int, ...] = (1, 16, 64)
+    decode_methods: tuple[str, ...] = ("fp8-e4m3", "int8", "int4-g128", "int4-g32", "kivi-2")
     results: dict = field(default_factory=dict)
 
 
@@ -427,6 +429,121 @@ def _dense_cache_bytes(cache) -> int:
     return sum(_dense_layer_bytes(layer) for layer in cache.layers)
 
 
+# ---------------------------------------------------------------------------------------------- decode steps
+
+# The decode-step table (`--parts decode`, also run by `e2e`): rows are baselines and each method eager (its
+# dynamic form, what `generate` gives without compiling) and compiled (its static form under transformers' own
+# compile rule, `mode="reduce-overhead"`: Inductor plus CUDA graphs).
+DECODE_BASELINES = ("dynamic", "static", "exact")
+
+
+def _decode_cache(name: str, model, context: int, compiled: bool):
+    """(cache, attn_implementation) of a decode-table row; compiled rows are static for `context` + slack."""
+    from transformers import DynamicCache, StaticCache
+
+    capacity = context + 256  # the fill, the warm-up and the timed steps
+    if name == "dynamic":
+        return DynamicCache(config=model.config), "sdpa"
+    if name == "static":
+        return StaticCache(config=model.config, max_cache_len=capacity), "sdpa"
+    if name.startswith("hf-quanto"):
+        return _make_e2e_cache(name, model)
+    kwargs = _calibration_kwargs(name, model) if _needs_model(name) else {}
+    if compiled:
+        kwargs["max_cache_len"] = capacity
+    return make_cache(name, model, **kwargs), "hf_kvcache"
+
+
+def _generate_from(model, cache, batch: int, n: int, compiled: bool) -> float:
+    """Seconds of `generate` continuing a filled cache for `n` new tokens (its first forward, on the one token
+    past the cache, is eager; the rest compiled when `compiled`)."""
+    held = int(cache.get_seq_length())
+    ids = torch.randint(0, model.config.vocab_size, (batch, held + 1), device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                   disable_compile=not compiled, **_compat.cache_kwargs(cache))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _gpu_ms_per_step(model, cache, batch: int, n: int, compiled: bool) -> float:
+    """GPU kernel time of one decode step from the profiler (kernels replayed inside CUDA graphs included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _generate_from(model, cache, batch, n, compiled)
+    us = sum(e.self_device_time_total for e in prof.key_averages())
+    return us / 1e3 / n
+
+
+def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log) -> dict:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call  # transformers keeps the compiled forward of the last cache type
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    cache, attn = _decode_cache(name, model, context, compiled)
+    _set_attention(model, attn)
+    _fill(cache, model, batch, context)
+    t0 = time.perf_counter()
+    _generate_from(model, cache, batch, 4, compiled)  # warm-up: Triton and Inductor compiles, CUDA graph capture
+    warmup_s = time.perf_counter() - t0
+    graphs = counters["stats"]["unique_graphs"]
+    short, long = 8, 40
+    t_short = _generate_from(model, cache, batch, short, compiled)
+    t_long = _generate_from(model, cache, batch, long, compiled)
+    step_ms = (t_long - t_short) / (long - short) * 1e3  # the fixed cost of a generate call cancels out
+    gpu_ms = _gpu_ms_per_step(model, cache, batch, 16, compiled)
+    recompiles = counters["stats"]["unique_graphs"] - graphs
+    cache_bytes = cache.nbytes() if hasattr(cache, "nbytes") else _dense_cache_bytes(cache)
+    row = dict(method=name, mode="compiled" if compiled else "eager", batch=batch, context=context, step_ms=step_ms,
+               tok_s=batch / step_ms * 1e3, gpu_ms=gpu_ms, wall_over_gpu=step_ms / gpu_ms, warmup_s=warmup_s,
+               recompiles=recompiles, peak_gb=(torch.cuda.max_memory_allocated() - base) / 1e9,
+               cache_gb=cache_bytes / 1e9)
+    del cache
+    return row
+
+
+def decode_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Decode-step time of a Llama-3-8B-shaped model (random bf16 weights, `e2e_layers` layers) continuing caches
+    filled with `e2e_context` tokens of random K/V, at each of `decode_batches`: DynamicCache eager, transformers'
+    StaticCache compiled, our `exact` (16-bit) static cache compiled, and each method eager and compiled. Step time
+    is the difference of two `generate` runs (8 and 40 tokens) over 32 steps; the GPU time of a step is the
+    profiler's kernel time; recompiles are dynamo's new graphs after the warm-up."""
+    model = _random_model(cfg.e2e_layers)
+    rows = []
+    plan = [("dynamic", False), ("static", True), ("exact", True)]
+    plan += [(m, compiled) for m in cfg.decode_methods for compiled in (False, True)]
+    for batch in cfg.decode_batches:
+        base = None
+        for name, compiled in plan:
+            try:
+                r = _decode_row(model, name, batch, cfg.e2e_context, compiled, log)
+            except torch.cuda.OutOfMemoryError as error:
+                log(f"{name} ({'compiled' if compiled else 'eager'}) at batch {batch}: out of memory "
+                    f"({str(error).splitlines()[0]})")
+                rows.append(dict(method=name, batch=batch, oom=True))
+                continue
+            finally:
+                from .patching import unfuse
+
+                unfuse(model)
+            base = base or r["step_ms"]
+            r["vs_dynamic"] = base / r["step_ms"]
+            rows.append(r)
+            log(f"batch {batch:3d} {name:>10} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  {r['tok_s']:8.1f} tok/s  "
+                f"x{r['vs_dynamic']:.2f} DynamicCache  GPU {r['gpu_ms']:6.2f} ms (wall/GPU {r['wall_over_gpu']:.2f})  "
+                f"warm-up {r['warmup_s']:5.1f} s  recompiles {r['recompiles']}  peak {r['peak_gb']:6.2f} GB")
+    cfg.results["decode"] = dict(context=cfg.e2e_context, layers=cfg.e2e_layers, rows=rows)
+    del model
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------- capacity
 
 
@@ -699,8 +816,10 @@ def run(cfg: BenchConfig, log=print) -> dict:
         date=time.strftime("%Y-%m-%d"), cudnn_sdp=False,
     )
     log(json.dumps(cfg.results["env"]))
-    parts = {"kernel": kernel_part, "e2e": e2e_part, "capacity": capacity_part, "sweep": sweep_part,
-             "multi_gpu": multi_gpu_part}
+    parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
+             "sweep": sweep_part, "multi_gpu": multi_gpu_part}
+    if "e2e" in cfg.parts and "decode" not in cfg.parts:  # the end-to-end part includes the decode-step table
+        cfg.parts = tuple(p for part in cfg.parts for p in ((part, "decode") if part == "e2e" else (part,)))
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

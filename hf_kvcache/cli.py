@@ -399,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and the largest batch that runs there, for DynamicCache and each method",
     )
     bench.add_argument("--multi-gpu-layers", type=int, default=32, help="decoder layers of the multi-GPU model")
+    bench.add_argument("--decode-batches", default="1,16,64",
+                       help="batches of the decode-step table (part decode, also run by e2e)")
+    bench.add_argument("--decode-methods", default=None,
+                       help="cache specs of the decode-step table, each eager and compiled (default: bench.BenchConfig)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -599,10 +603,11 @@ def _bench(args: argparse.Namespace) -> int:
             parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
-        unknown = set(parts) - {"kernel", "e2e", "capacity", "sweep", "multi_gpu"}
+        unknown = set(parts) - {"kernel", "e2e", "decode", "capacity", "sweep", "multi_gpu"}
         if unknown:
             raise UsageError(
-                f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, capacity, sweep, multi_gpu"
+                f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, decode, capacity, sweep, "
+                "multi_gpu"
             )
         if "multi_gpu" in parts and torch.cuda.device_count() < 2:
             raise UsageError(f"--multi-gpu needs at least 2 CUDA GPUs, {torch.cuda.device_count()} visible")
@@ -616,7 +621,10 @@ def _bench(args: argparse.Namespace) -> int:
             e2e_new_tokens=args.new_tokens,
             capacity_budget_gb=args.budget_gb,
             multi_gpu_layers=args.multi_gpu_layers,
+            decode_batches=_int_list(args.decode_batches, "--decode-batches"),
         )
+        if args.decode_methods is not None:
+            cfg.decode_methods = tuple(split_methods([args.decode_methods]))
         if args.methods is not None:
             cfg.methods = tuple(split_methods([args.methods]))
         if not torch.cuda.is_available():
