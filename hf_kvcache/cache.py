@@ -222,6 +222,17 @@ class _Rows:
         return sum(v.numel() * v.element_size() for v in self.data.values())
 
 
+def check_flush(codec: Codec, residual_length: int, flush: str) -> None:
+    """A stream's window rule: "fifo", or "block" with a residual of whole blocks (ValueError otherwise)."""
+    if flush not in ("fifo", "block"):
+        raise ValueError(f"flush must be 'fifo' or 'block', got {flush!r}")
+    if flush == "block" and (residual_length <= 0 or residual_length % codec.block_size):
+        raise ValueError(
+            f"residual_length={residual_length} must be a positive multiple of the block size "
+            f"{codec.block_size} for a block-flushed stream"
+        )
+
+
 class _Stream:
     """Keys or values of one layer: sink, packed and residual places, and the rule that moves tokens between them.
 
@@ -231,13 +242,7 @@ class _Stream:
     """
 
     def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, flush: str):
-        if flush not in ("fifo", "block"):
-            raise ValueError(f"flush must be 'fifo' or 'block', got {flush!r}")
-        if flush == "block" and (residual_length <= 0 or residual_length % codec.block_size):
-            raise ValueError(
-                f"residual_length={residual_length} must be a positive multiple of the block size "
-                f"{codec.block_size} for a block-flushed stream"
-            )
+        check_flush(codec, residual_length, flush)
         self.codec = codec
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length

@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from . import _compat, kernels
-from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVLayer, _capacity
+from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVLayer, _capacity, check_flush
 from .kernels.layout import StaticLayout, StreamTensors
 
 
@@ -50,15 +50,9 @@ class _StaticStream:
     """Keys or values of one static layer: fixed sink, packed and ring places (see the module docstring)."""
 
     def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, flush: str, max_cache_len: int):
-        if flush not in ("fifo", "block"):
-            raise ValueError(f"flush must be 'fifo' or 'block', got {flush!r}")
+        check_flush(codec, residual_length, flush)
         if flush == "fifo" and residual_length and codec.block_size != 1:
             raise ValueError("a FIFO window over a block codec has no static form")
-        if flush == "block" and (residual_length <= 0 or residual_length % codec.block_size):
-            raise ValueError(
-                f"residual_length={residual_length} must be a positive multiple of the block size "
-                f"{codec.block_size} for a block-flushed stream"
-            )
         self.codec = codec
         self.sink_tokens = sink_tokens
         self.ring_length = residual_length
@@ -130,8 +124,9 @@ class _StaticStream:
             self._pack_blocks(x, p, pads)
         else:
             valid = self._valid(p, pads)
-            if self.codec.observing:
-                # Per-sequence statistics (FP8's dynamic scale) come from the first tokens past the sinks.
+            # Per-sequence statistics (FP8's dynamic scale) come from the first write that reaches past the sinks
+            # (the host check reads a value once, in eager code: a cache's first writes are its prefill's).
+            if self.codec.observing and (_compiling() or bool((i >= 0).any())):
                 seen = (i >= 0).unsqueeze(0).expand(x.shape[0], t)
                 self.codec.observe(x, seen if valid is None else seen & valid)
             fields = self._encode(x, valid, **self._positions(p, pads, x.shape[0]))
@@ -141,7 +136,8 @@ class _StaticStream:
         if r:
             keep = min(t, r)  # a longer write keeps only its last R tokens in the ring (each slot written once)
             last = i[t - keep:]
-            self.ring.index_copy_(2, torch.where(last >= 0, last % r, r), x[:, :, t - keep:])
+            stored = (last >= 0) & (p[t - keep:] < self.max_cache_len)  # past the capacity: the spare row
+            self.ring.index_copy_(2, torch.where(stored, last % r, r), x[:, :, t - keep:])
 
     def _pack_blocks(self, x: torch.Tensor, p: torch.Tensor, pads: torch.Tensor | None) -> None:
         """Block flush (KIVI's keys): pack every block of `block_size` tokens this write touches, the block's
@@ -199,7 +195,7 @@ class _StaticStream:
             parts.insert(0, self.sink[:, :, :s].to(dtype))
         full = torch.cat(parts + [torch.zeros_like(packed[:, :, :1])], dim=2)  # (B, H, cap + 1, D)
         if r:
-            n_sink, n_packed, n_res, off = self.split(held)
+            n_sink, n_packed, n_res, off = self.split(held.clamp(max=cap))
             j = (torch.arange(r, device=full.device) - off) % r  # residual position of each ring row
             dest = torch.where(j < n_res, n_sink + n_packed + j, cap)
             full.index_copy_(2, dest, self.ring[:, :, :r].to(dtype))
@@ -318,6 +314,13 @@ class StaticQuantizedKVLayer(QuantizedKVLayer):
             self._host_length = None
         else:
             held = self._host_held()
+            if held > self.max_cache_len:
+                raise ValueError(
+                    f"compiled decode steps went past max_cache_len={self.max_cache_len} ({held} tokens): the "
+                    f"tokens past it were not stored (nothing held was overwritten), so what was generated after "
+                    f"them did not attend to them; build the cache with a larger max_cache_len (make_cache(spec, "
+                    f"model, max_cache_len=...)) for prompt plus max_new_tokens"
+                )
             if held + t > self.max_cache_len:
                 raise ValueError(
                     f"this static cache holds max_cache_len={self.max_cache_len} tokens: {held} are held and "
@@ -331,8 +334,9 @@ class StaticQuantizedKVLayer(QuantizedKVLayer):
         if self.policy.key_rotation is not None:
             key_states = self.policy.key_rotation.apply(key_states)
         p = self.length + torch.arange(t, device=self.device)  # (T,) held indices of the new tokens
-        # A compiled step past the capacity writes its tokens into the spare rows and the attention reads at most
-        # max_cache_len: nothing held is overwritten (the eager check above raises before any write).
+        # A compiled step cannot raise on data: past the capacity its tokens go to the spare rows and the kernels
+        # read at most max_cache_len, so nothing held is overwritten and nothing wraps; the next eager call (above)
+        # raises. Eager steps raise before anything is written.
         self._streams["keys"].write(key_states, p, self.pad_lengths)
         self._streams["values"].write(value_states, p, self.pad_lengths)
         self.length.add_(t)
@@ -362,7 +366,8 @@ class StaticQuantizedKVLayer(QuantizedKVLayer):
 
     def static_layout(self) -> StaticLayout:
         k, v = self._streams["keys"], self._streams["values"]
-        return StaticLayout(length=self.length, sink_tokens=k.sink_tokens, key_ring=k.ring_length,
+        return StaticLayout(length=self.length, capacity=self.max_cache_len, sink_tokens=k.sink_tokens,
+                            key_ring=k.ring_length,
                             value_ring=v.ring_length, key_window=k.window, value_window=v.window)
 
     # ------------------------------------------------------------------ sizes

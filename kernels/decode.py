@@ -299,7 +299,7 @@ def _attn_fwd(
     VS, svs_b, svs_h, svs_t, VC, svc_b, svc_h, svc_t, VSC, svsc_b, svsc_h, svsc_t, svsc_c, VZ,
     VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t, VF8, svf_b, svf_h,
     MASK, sm_b, sm_t, sm_s,
-    ACC, M_OUT, L_OUT, LENS,
+    ACC, M_OUT, L_OUT, LENS, cap_len,
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
@@ -316,7 +316,9 @@ def _attn_fwd(
     if STATIC:
         # The static form: the launch is sized for the capacity and every length comes from the device, so one
         # captured graph serves every step; programs past the filled tiles find empty ranges.
-        held = tl.load(LENS).to(tl.int32)  # tokens held after this step's update
+        # tokens held after this step's update; never more than the storage (a compiled step past max_cache_len
+        # stores nothing more, see `hf_kvcache.static`)
+        held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
         n_sink = tl.minimum(held, SINK_CAP)
         npk, nrk, k_off = _static_places(held - n_sink, K_RING, K_WINDOW)
         npv, nrv, v_off = _static_places(held - n_sink, V_RING, V_WINDOW)

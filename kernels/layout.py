@@ -64,12 +64,13 @@ class StreamTensors:
 @dataclass(frozen=True)
 class StaticLayout:
     """How a static layer's fixed places split its tokens (`hf_kvcache.static`), which the kernels derive on the
-    device from `length`, a 0-dim int64 tensor: the tokens held after this step's update. The first
+    device from `length`, a 0-dim int64 tensor: the tokens held after this step's update (at most `capacity`). The first
     `min(length, sink_tokens)` are sinks; of the rest, a stream with `ring = 0` reads all from the packed place; with
     `window` (a FIFO window, every token also packed) the last `min(rest, ring)` from a ring of `ring` rows; without
     (block flush, KIVI's keys) the `rest % ring` newest from the ring's first rows."""
 
     length: torch.Tensor
+    capacity: int  # max_cache_len: the kernels never read past it, whatever `length` says
     sink_tokens: int = 0
     key_ring: int = 0
     value_ring: int = 0

@@ -60,7 +60,7 @@ def static_attention(
 
     keys = _stream(k_sink, k_codes, k_scale, k_zero, k_res, k_f8, k_fmt)
     values = _stream(v_sink, v_codes, v_scale, v_zero, v_res, v_f8, v_fmt)
-    static = StaticLayout(length, layout[0], layout[1], layout[2], bool(layout[3]), bool(layout[4]))
+    static = StaticLayout(length, layout[5], layout[0], layout[1], layout[2], bool(layout[3]), bool(layout[4]))
     return ops.decode_attention(
         query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
         softcap=softcap if has_softcap else None, s_aux=s_aux, static=static,
@@ -181,7 +181,7 @@ def static_nuq_attention(
     v_pos: Optional[Tensor], v_lo: Optional[Tensor], v_hi: Optional[Tensor], v_codebook: Tensor,
     v_mid: Optional[Tensor], v_half: Optional[Tensor], v_inv_freq: Optional[Tensor],
     k_new: Tensor, v_new: Tensor, length: Tensor, mask: Optional[Tensor], s_aux: Optional[Tensor],
-    k_ints: list[int], v_ints: list[int], sink_tokens: int, rope_scale: float, exact_new: bool, scaling: float,
+    k_ints: list[int], v_ints: list[int], layout: list[int], rope_scale: float, exact_new: bool, scaling: float,
     softcap: float, has_softcap: bool,
 ) -> Tensor:
     from . import ops
@@ -192,7 +192,7 @@ def static_nuq_attention(
                           v_inv_freq], v_ints, 1.0)
     return ops.nuq_attention(
         query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
-        softcap=softcap if has_softcap else None, s_aux=s_aux, static=StaticLayout(length, sink_tokens),
+        softcap=softcap if has_softcap else None, s_aux=s_aux, static=StaticLayout(length, layout[1], layout[0]),
     )
 
 

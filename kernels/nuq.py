@@ -149,7 +149,7 @@ def _nuq_attn(
     KC, skc_b, skc_h, skc_t, KOI, KOV, sko_b, sko_h, sko_t, KP, skp_b, skp_t, KMID, KHALF, KCB, INVF,
     VC, svc_b, svc_h, svc_t, VOI, VOV, svo_b, svo_h, svo_t, VLO, VHI, svl_b, svl_h, svl_t, VCB,
     MASK, sm_b, sm_t, sm_s,
-    ACC, M_OUT, L_OUT, LENS,
+    ACC, M_OUT, L_OUT, LENS, cap_len,
     Hkv, Tq, n_sink, n_body, npk, n_res, stop, n_new, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap, rope_scale,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
@@ -163,7 +163,7 @@ def _nuq_attn(
     new). Partial results go to ACC/M_OUT/L_OUT for `decode._combine`. STATIC: the lengths come from the device
     (`LENS`: tokens held; the first SINK_CAP are sinks, every later one is packed), as in `decode._attn_fwd`."""
     if STATIC:
-        held = tl.load(LENS).to(tl.int32)
+        held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)  # as `decode._attn_fwd`
         n_sink = tl.minimum(held, SINK_CAP)
         npk = held - n_sink
         n_res = 0

@@ -239,7 +239,7 @@ def decode_attention(
         *stream_args(keys, k_new),
         *stream_args(values, v_new),
         *m_args,
-        part_acc, part_m, part_l, static.length if static is not None else dummy,
+        part_acc, part_m, part_l, *_length_args(static, dummy),
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
         stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
         float(scaling), float(softcap or 0.0),
@@ -289,15 +289,22 @@ def static_decode_attention(
     if isinstance(keys.fmt, NUQFormat):
         return torch.ops.hf_kvcache.static_nuq_attention(
             query, *library.nuq_tensors(keys), *library.nuq_tensors(values), k_new, v_new, static.length,
-            attention_mask, s_aux, library.nuq_ints(keys), library.nuq_ints(values), static.sink_tokens,
-            float(keys.fmt.rope_scale), exact_new, float(scaling), float(softcap or 0.0), softcap is not None,
+            attention_mask, s_aux, library.nuq_ints(keys), library.nuq_ints(values),
+            [static.sink_tokens, static.capacity], float(keys.fmt.rope_scale), exact_new, float(scaling),
+            float(softcap or 0.0), softcap is not None,
         )
-    layout = [static.sink_tokens, static.key_ring, static.value_ring, int(static.key_window), int(static.value_window)]
+    layout = [static.sink_tokens, static.key_ring, static.value_ring, int(static.key_window), int(static.value_window),
+              static.capacity]
     return torch.ops.hf_kvcache.static_attention(
         query, *library.stream_tensors(keys), *library.stream_tensors(values), k_new, v_new, static.length,
         attention_mask, s_aux, library.fmt_ints(keys), library.fmt_ints(values), layout, exact_new, float(scaling),
         float(softcap or 0.0), softcap is not None,
     )
+
+
+def _length_args(static: StaticLayout | None, dummy: torch.Tensor) -> list:
+    """The kernels' `LENS, cap_len`: the static form's length tensor and capacity (a dummy and 0 otherwise)."""
+    return [static.length, static.capacity] if static is not None else [dummy, 0]
 
 
 def _compiling() -> bool:
@@ -448,7 +455,7 @@ def nuq_attention(
         *exact_places(keys, k_new), *exact_places(values, v_new),
         *k_args, *v_args,
         *_mask_args(attention_mask, dummy),
-        part_acc, part_m, part_l, static.length if static is not None else dummy,
+        part_acc, part_m, part_l, *_length_args(static, dummy),
         hkv, tq, n_sink, body, keys.n_packed, _len(keys.residual), stop, n_new, tiles_per_split, n_splits,
         m_tiles, float(scaling), float(softcap or 0.0), float(kf.rope_scale),
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec, HAS_MASK=attention_mask is not None,

@@ -75,6 +75,27 @@ def test_a_sequence_past_max_cache_len_is_refused_before_anything_is_written():
     assert int(cache.get_seq_length()) == 23
 
 
+def test_compiled_steps_past_max_cache_len_overwrite_nothing_and_the_next_eager_call_says_so():
+    """A traced step cannot raise on data: past the capacity it stores nothing (no wrap, nothing held is
+    overwritten, the ring window included), and the next eager call raises, naming max_cache_len."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", "hf_kvcache")
+    ids = tiny_input_ids(model, batch=1, length=20)
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True
+    cache = make_cache("int4-g32", model, residual_length=4, max_cache_len=24)
+    _greedy(model, ids, cache, 4, disable_compile=True)  # 23 held
+    layer = cache.layers[0]
+    before = [t.clone() for t in layer.stored_tensors()]
+    _greedy(model, torch.cat([ids, torch.ones((1, 4), dtype=torch.long)], 1), cache, 8, compile_config=config)
+    after = list(layer.stored_tensors())
+    # the last held row (23) and the spare rows changed; nothing before row 23, the ring's other rows kept
+    packed = [(a, b) for a, b in zip(before, after) if a.shape[2] > 8]
+    assert all(torch.equal(a[:, :, :23], b[:, :, :23]) for a, b in packed)
+    with pytest.raises(ValueError, match="went past max_cache_len=24"):
+        model(torch.ones((1, 1), dtype=torch.long), use_cache=True, **_compat.cache_kwargs(cache))
+
+
 def test_bad_static_input_says_what_to_do():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="max_cache_len=0 must be a positive number"):
