@@ -37,10 +37,6 @@ def _dynamic(config, **kwargs):
 
 PRESETS: dict[str, Preset] = {
     "none": Preset(_dynamic, {}, "no quantization: transformers' DynamicCache in the model dtype (the baseline)"),
-    "exact": Preset(
-        ExactCache, {}, "no quantization, K/V in the model dtype through this library's core and kernels: the 16-bit "
-        "baseline of the static form (max_cache_len=, torch.compile)"
-    ),
     "fp8-e4m3": Preset(QuantizedFP8Cache, {"fmt": "e4m3"}, "FP8 E4M3, dynamic per-head scale"),
     "fp8-e5m2": Preset(QuantizedFP8Cache, {"fmt": "e5m2"}, "FP8 E5M2, dynamic per-head scale"),
     "int8": Preset(QuantizedIntCache, {"bits": 8}, "INT8 per-token symmetric, fp16 scale"),
@@ -75,6 +71,14 @@ for _bits in (4, 3, 2):
         f"{_bits}-bit uniform K/V behind Hadamard rotations (QuaRot-style): values rotated through W_v/W_o (fused "
         "into the model), keys rotated online after RoPE", needs_model=True,
     )
+
+
+# The 16-bit baseline of the static form (max_cache_len=, torch.compile): K/V unquantized, through this library's
+# core and kernels, so that a compiled quantized cache is compared with the same machinery at 16 bits.
+PRESETS["exact"] = Preset(
+    ExactCache, {}, "no quantization, K/V in the model dtype through this library's core and kernels: the 16-bit "
+    "baseline of the static form (max_cache_len=, torch.compile)"
+)
 
 
 def _parse_value(text: str):

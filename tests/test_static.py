@@ -11,7 +11,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from hf_kvcache import _compat, make_cache
 from hf_kvcache.static import StaticQuantizedKVLayer
-from tests.helpers.methods import METHODS
+from tests.helpers.methods import STATIC_METHODS as METHODS
 from tests.helpers.tiny_models import left_padded_batch, tiny_input_ids, tiny_model
 
 IDS = [m[0] for m in METHODS]

@@ -4,7 +4,6 @@ Adding a method adds a row here; the smoke tests over every tiny model config pi
 from __future__ import annotations
 
 METHODS: list[tuple[str, dict, dict]] = [
-    ("exact", {}, {"sink_tokens": 2}),
     ("fp8-e4m3", {}, {"scale": "none", "sink_tokens": 2, "residual_length": 3}),
     ("fp8-e5m2", {}, {"headroom": 1.0, "residual_length": 8}),
     ("int8", {}, {"sink_tokens": 3, "residual_length": 5}),
@@ -17,6 +16,9 @@ METHODS: list[tuple[str, dict, dict]] = [
 ]
 
 SPECS = [spec for spec, _, _ in METHODS]
+# The static form's matrix (tests/test_static.py): every method and `exact`, the 16-bit baseline that exists for it
+# (in the dynamic form it is a lossless codec like tests/helpers/lossless.py, which the generate matrix covers).
+STATIC_METHODS = [("exact", {}, {"sink_tokens": 2})] + METHODS
 # Methods the decode-kernel tests build on a bare config (KVQuant and RotatedCache need a model: their kernel
 # paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py).
 KERNEL_METHODS = [m for m in METHODS if not m[0].startswith(("kvquant", "rotated"))]

@@ -10,12 +10,13 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 
 from hf_kvcache import _compat, kernels, make_cache
-from tests.helpers.methods import METHODS
+from tests.helpers.methods import STATIC_METHODS as METHODS
 from tests.helpers.tiny_models import left_padded_batch, tiny_model
 
-# Every kernel format: exact, fp8 (sinks + window), per-token int groups (window), KIVI (block flush + window),
-# KVQuant's NUQ kernel (pre-RoPE keys, outlier slots, a sink), RotatedCache (the Hadamard operator).
-CASES = [m for m in METHODS if m[0] in ("exact", "fp8-e4m3", "int4-g32", "kivi-2", "kvquant-3", "rotated-4")]
+# Each kernel and operator once: FP8 (sinks + a FIFO ring), KIVI (the block flush and its pack flag, per-token INT
+# values in a ring, sinks), KVQuant's NUQ kernel (pre-RoPE keys, outlier slots, a sink) and RotatedCache (the
+# Hadamard operator in front of per-token INT groups). `exact` shares FP8's path; on CUDA every method runs.
+CASES = [m for m in METHODS if m[0] in ("fp8-e4m3", "kivi-2", "kvquant-3", "rotated-4")]
 
 
 @pytest.mark.parametrize("spec,easy,hard", CASES, ids=[c[0] for c in CASES])
