@@ -34,8 +34,10 @@ def _unique_graphs() -> int:
 @pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
 def test_static_form_generates_the_dynamic_forms_tokens(spec, easy, hard, name, attn):
     """Same codes, same places, same reads: greedy tokens of the static form equal the dynamic form's, left
-    padding, sinks, windows, KIVI's flushes and sliding layers (gemma) included."""
-    model = tiny_model(name, attn)
+    padding, sinks, windows, KIVI's flushes and sliding layers (gemma) included. In float64: the static dense read
+    attends over the whole capacity under a mask, the dynamic one over what is held, and in float32 the different
+    summation order alone can flip a near-tied token of a random tiny model (measured once in 40 cases)."""
+    model = tiny_model(name, attn).double()
     ids, mask = left_padded_batch(model, lengths=(23, 7))
     for kwargs in (easy, hard):
         dynamic = _greedy(model, ids, make_cache(spec, model, **kwargs), 40, mask)
