@@ -24,12 +24,13 @@ def test_static_kernels_eager_and_traced_equal_the_reference(spec, easy, hard):
     if not kernels.interpreting():
         pytest.skip("the interpreter run; on CUDA, tests/test_static.py compares compiled and eager")
     model = tiny_model("llama", "hf_kvcache")
-    ids, mask = left_padded_batch(model, lengths=(13, 7))
+    # 33 tokens, then 5 steps: KIVI's first window (3 sinks + 32) closes at a decode step, through the pack flag
+    ids, mask = left_padded_batch(model, lengths=(33, 7))
 
     def greedy(backend: str, **kwargs):
         with kernels.use_backend(backend):
             cache = make_cache(spec, model, **hard, max_cache_len=88)
-            return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **kwargs,
+            return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kwargs,
                                   **_compat.cache_kwargs(cache))
 
     reference = greedy("torch", disable_compile=True)
