@@ -344,31 +344,30 @@ class StaticQuantizedKVLayer(QuantizedKVLayer):
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
         return self._dense("keys", key_states, p), self._dense("values", value_states, p)
 
-    def _dense(self, name: str, new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    def _stored_dense(self, name: str, new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`(B, Hkv, max_cache_len, D)` of one stream in the stored frame (keys rotated for RotatedCache), the new
+        tokens at held indices `p` exact unless `quantize_before_attention`."""
         x = self._streams[name].dense(self.dtype, self.length)
         if not self.quantize_before_attention:
             x.index_copy_(2, p.clamp(max=self.max_cache_len - 1), new)
+        return x
+
+    def _dense(self, name: str, new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        x = self._stored_dense(name, new, p)
         if name == "keys" and self.policy.key_rotation is not None:
             x = self.policy.key_rotation.apply(x, inverse=True)
         return x
 
     def dense_kv(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(B, Hkv, max_cache_len, D)` keys (in the stored frame: rotated for RotatedCache) and values, the new tokens
-        exact unless `quantize_before_attention`: the fused read path's reference for a static layer."""
+        """Keys and values as `_stored_dense` gives them: the fused read path's reference for a static layer."""
         p = self.length - k_new.shape[2] + torch.arange(k_new.shape[2], device=k_new.device)
-        out = []
-        for name, new in (("keys", k_new), ("values", v_new)):
-            x = self._streams[name].dense(self.dtype, self.length)
-            if not self.quantize_before_attention:
-                x.index_copy_(2, p.clamp(max=self.max_cache_len - 1), new)
-            out.append(x)
-        return out[0], out[1]
+        return self._stored_dense("keys", k_new, p), self._stored_dense("values", v_new, p)
 
     def static_layout(self) -> StaticLayout:
         k, v = self._streams["keys"], self._streams["values"]
         return StaticLayout(length=self.length, capacity=self.max_cache_len, sink_tokens=k.sink_tokens,
-                            key_ring=k.ring_length,
-                            value_ring=v.ring_length, key_window=k.window, value_window=v.window)
+                            key_ring=k.ring_length, value_ring=v.ring_length, key_window=k.window,
+                            value_window=v.window)
 
     # ------------------------------------------------------------------ sizes
     @property
