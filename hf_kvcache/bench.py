@@ -477,6 +477,36 @@ def _gpu_ms_per_step(model, cache, batch: int, n: int, compiled: bool) -> float:
     return us / 1e3 / n
 
 
+def _host_us_per_layer(model, cache, batch: int, n: int = 50) -> float:
+    """Host time of one eager layer step, the cache's `update` of one token plus the attention over the layer
+    (transformers' SDPA for a plain cache, ours for a quantized one), in us: `n` steps launched back to back on layer
+    0 and timed on the host before synchronizing (the host is the bound at decode; the GPU runs behind it). Adds `n`
+    tokens to that layer: measured last, on a cache about to be dropped."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = model.model.layers[0].self_attn
+    config = model.config
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // hq
+    fn = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+    q = torch.randn(batch, hq, 1, d, device="cuda", dtype=model.dtype)
+    k = torch.randn(batch, hkv, 1, d, device="cuda", dtype=model.dtype)
+
+    def step():
+        kk, vv = cache.update(k, k, 0)
+        fn(attn, q, kk, vv, None, scaling=d**-0.5)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log) -> dict:
     from torch._dynamo.utils import counters
 
@@ -501,10 +531,12 @@ def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log)
     gpu_ms = _gpu_ms_per_step(model, cache, batch, 16, compiled)
     recompiles = counters["stats"]["unique_graphs"] - graphs
     cache_bytes = cache.nbytes() if hasattr(cache, "nbytes") else _dense_cache_bytes(cache)
+    # the eager host cost of one layer step (the compiled step has none: it replays a graph)
+    host_us = _host_us_per_layer(model, cache, batch) if not compiled else float("nan")
     row = dict(method=name, mode="compiled" if compiled else "eager", batch=batch, context=context, step_ms=step_ms,
                tok_s=batch / step_ms * 1e3, gpu_ms=gpu_ms, wall_over_gpu=step_ms / gpu_ms, warmup_s=warmup_s,
                recompiles=recompiles, peak_gb=(torch.cuda.max_memory_allocated() - base) / 1e9,
-               cache_gb=cache_bytes / 1e9)
+               cache_gb=cache_bytes / 1e9, host_us_per_layer=host_us)
     del cache
     return row
 
@@ -538,7 +570,8 @@ def decode_part(cfg: BenchConfig, log=print) -> list[dict]:
             rows.append(r)
             log(f"batch {batch:3d} {name:>10} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  {r['tok_s']:8.1f} tok/s  "
                 f"x{r['vs_dynamic']:.2f} DynamicCache  GPU {r['gpu_ms']:6.2f} ms (wall/GPU {r['wall_over_gpu']:.2f})  "
-                f"warm-up {r['warmup_s']:5.1f} s  recompiles {r['recompiles']}  peak {r['peak_gb']:6.2f} GB")
+                f"warm-up {r['warmup_s']:5.1f} s  recompiles {r['recompiles']}  peak {r['peak_gb']:6.2f} GB"
+                + (f"  host {r['host_us_per_layer']:.0f} us/layer" if r["mode"] == "eager" else ""))
     cfg.results["decode"] = dict(context=cfg.e2e_context, layers=cfg.e2e_layers, rows=rows)
     del model
     return rows

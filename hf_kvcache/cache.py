@@ -280,13 +280,22 @@ class _Stream:
         if free_sink:
             self.sink.append({"x": x[:, :, :free_sink]})
             x = x[:, :, free_sink:]
-        if x.shape[2]:
+        # No window to pass through (a per-token method at decode): pack the new tokens straight from `x`, which
+        # saves the residual's copy and bookkeeping, most of an eager step's host time after the kernels' launches.
+        direct = (self.residual_length == 0 and self.n_residual == 0 and x.shape[2] > 0
+                  and x.shape[2] % self.codec.block_size == 0)
+        if x.shape[2] and not direct:
             self.residual.append({"x": x})
         try:
-            self._flush(pad_lengths)
+            if direct:
+                x = x if x.stride(-1) == 1 else x.contiguous()  # the pack kernels read rows contiguous
+                self._pack(x, x, pad_lengths)
+            else:
+                self._flush(pad_lengths)
         except BaseException:
             # The packed place gave its reserved rows back; take this call's tokens out of the others too.
-            self.residual.drop_back(x.shape[2])
+            if not direct:
+                self.residual.drop_back(x.shape[2])
             self.sink.drop_back(free_sink)
             raise
 
@@ -305,14 +314,22 @@ class _Stream:
         n = self._n_to_flush()
         if n <= 0:
             return
+        self._pack(self.residual.slice(0, n)["x"], self.residual.view()["x"] if self.codec.observing else None,
+                   pad_lengths)
+        self.residual.drop_front(n)
+        # A prefill passes through the residual once: give its storage back rather than hold a dense copy.
+        self.residual.shrink(self.residual_length + self.codec.block_size)
+
+    def _pack(self, x: torch.Tensor, held: torch.Tensor | None, pad_lengths: torch.Tensor | None) -> None:
+        """Encode `x (B, H, n, D)`, the next `n` tokens after the packed ones (n a multiple of the block size), into
+        the packed place; `held`: every token past the sinks, for a codec still `observing`."""
+        n = x.shape[2]
         if self.codec.observing:
-            held = self.residual.view()["x"]
             seen = None
             if pad_lengths is not None:
                 seen = self._residual_index(held.shape[2], held.device).unsqueeze(0) >= pad_lengths.to(
                     held.device).unsqueeze(1)  # (B, T)
             self.codec.observe(held, seen)
-        x = self.residual.slice(0, n)["x"]
         valid = None
         extra = {}
         needs_positions = getattr(self.codec, "needs_positions", False)
@@ -334,9 +351,6 @@ class _Stream:
             except BaseException:
                 self.packed.drop_back(rows)  # a failed encode leaves the stored tokens as they were
                 raise
-        self.residual.drop_front(n)
-        # A prefill passes through the residual once: give its storage back rather than hold a dense copy.
-        self.residual.shrink(self.residual_length + self.codec.block_size)
 
     # --- reading
     def dense(self, dtype: torch.dtype) -> torch.Tensor:

@@ -212,7 +212,7 @@ def decode_attention(
     body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     n_body_tiles = body // block_n
     n_splits, tiles_per_split = _split_k(query, n_body_tiles, b * hkv * m_tiles)
-    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
     m_args = _mask_args(attention_mask, dummy)
     dt, prec = _compute_dtype(query)
 
@@ -330,11 +330,36 @@ def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int
     return n_splits, tiles_per_split
 
 
-def _partials(query: torch.Tensor, rows: int, n_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 split-K partial results of `rows` query rows: acc `(rows * n_parts, D)`, running max and sum."""
+# Split-K workspaces by (CUDA stream, rows, parts, D), reused from call to call of the dynamic form: an eager decode
+# step otherwise pays three allocations per layer (~5 us of host time each on the H200 host). Kernels on one stream run in order, so a
+# workspace is never read by one call while the next writes it; a few shapes live at once (the split count
+# settles once a cache is long), and the oldest is dropped past `_WORKSPACES_KEPT`.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WORKSPACES_KEPT = 8
+
+
+def _partials(query: torch.Tensor, rows: int, n_parts: int, reuse: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """float32 split-K partial results of `rows` query rows: acc `(rows * n_parts, D)`, running max and sum.
+
+    `reuse` (the dynamic form, eager): from the shared workspaces. Never for the static form, whose calls run inside
+    torch.compile's CUDA-graph trees: there even the warm-up allocates from the graph's pool, which refuses tensors
+    kept alive outside its outputs (measured on the H200: "tensors in the cudagraph pool not tracked as
+    outputs"); nor while any CUDA graph is captured (a graph must own its workspace, which could otherwise be
+    dropped from here while the graph still replays into it); nor on CPU (the interpreter's tests)."""
+    shared = reuse and query.is_cuda and not torch.cuda.is_current_stream_capturing()
+    key = (torch.cuda.current_stream(query.device).cuda_stream if shared else 0, rows, n_parts, query.shape[-1])
+    found = _WORKSPACES.get(key) if shared else None
+    if found is not None:
+        return found
     acc = torch.empty((rows * n_parts, query.shape[-1]), device=query.device, dtype=torch.float32)
     m = torch.empty((rows * n_parts,), device=query.device, dtype=torch.float32)
-    return acc, m, torch.empty_like(m)
+    parts = acc, m, torch.empty_like(m)
+    if shared:
+        if len(_WORKSPACES) >= _WORKSPACES_KEPT:
+            _WORKSPACES.pop(next(iter(_WORKSPACES)))
+        _WORKSPACES[key] = parts
+    return parts
 
 
 def _mask_args(attention_mask: torch.Tensor | None, dummy: torch.Tensor) -> list:
@@ -408,7 +433,7 @@ def nuq_attention(
     m_tiles = nuq.triton.cdiv(rows, block_m)
     body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     n_splits, tiles_per_split = _split_k(query, nuq.triton.cdiv(body, block_n), b * hkv * m_tiles)
-    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
     dt, prec = _compute_dtype(query)
     if query.stride(3) != 1:
         query = query.contiguous()
