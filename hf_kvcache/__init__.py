@@ -12,6 +12,7 @@ from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
 from .methods.kvquant import KVQuantCache
 from .methods.rotated import RotatedCache
+from .methods.turboquant import TurboQuantCache
 from .models import DEFAULT_MODEL, load_model
 from .patching import unfuse
 from .planner import plan
@@ -34,6 +35,7 @@ __all__ = [
     "QuantizedKVCache",
     "QuantizedKVLayer",
     "RotatedCache",
+    "TurboQuantCache",
     "describe",
     "load_model",
     "make_cache",

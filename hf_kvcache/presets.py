@@ -17,6 +17,7 @@ from .methods.int import QuantizedIntCache
 from .methods.kivi import KIVICache
 from .methods.kvquant import KVQuantCache
 from .methods.rotated import RotatedCache
+from .methods.turboquant import TurboQuantCache
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,12 @@ for _bits in (4, 3, 2):
         RotatedCache.from_model, {"bits": _bits},
         f"{_bits}-bit uniform K/V behind Hadamard rotations (QuaRot-style): values rotated through W_v/W_o (fused "
         "into the model), keys rotated online after RoPE", needs_model=True,
+    )
+for _bits in (4, 3.5, 3, 2.5):
+    PRESETS[f"turboquant-{_bits:g}"] = Preset(
+        TurboQuantCache, {"bits": _bits},
+        f"TurboQuant {_bits:g} bits per channel: seeded random rotation, then the Lloyd-Max codebook of the rotated "
+        "coordinate law for every coordinate, fp16 norm per vector; no calibration, the model unchanged",
     )
 
 

@@ -12,6 +12,7 @@ from hf_kvcache.methods.int import QuantizedIntCache
 from hf_kvcache.methods.kivi import KIVICache
 from hf_kvcache.methods.kvquant import KVQuantCache
 from hf_kvcache.methods.rotated import RotatedCache
+from hf_kvcache.methods.turboquant import TurboQuantCache
 from hf_kvcache.presets import parse_spec
 from tests.helpers.tiny_models import tiny_model
 
@@ -20,7 +21,7 @@ from tests.helpers.tiny_models import tiny_model
 def test_every_preset_builds_and_describes_itself(spec):
     model = tiny_model("qwen3")  # head_dim 128: every group size divides it
     cache = make_cache(spec, model)
-    methods = (ExactCache, QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache)
+    methods = (ExactCache, QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache, TurboQuantCache)
     assert isinstance(cache, DynamicCache if spec == "none" else methods)
     assert describe(spec)
 

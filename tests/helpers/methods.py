@@ -13,6 +13,7 @@ METHODS: list[tuple[str, dict, dict]] = [
     ("kivi-2", {"residual_length": 32}, {"residual_length": 32, "sink_tokens": 3}),
     ("kvquant-3", {}, {"sink_tokens": 3, "outlier_fraction": 0.05}),
     ("rotated-4", {}, {"sink_tokens": 2, "residual_length": 8, "group_size": 32, "clip_ratio": 0.9}),
+    ("turboquant-3.5", {}, {"sink_tokens": 2, "residual_length": 4, "key_qjl": True, "scale": "norm"}),
 ]
 
 SPECS = [spec for spec, _, _ in METHODS]
@@ -20,5 +21,6 @@ SPECS = [spec for spec, _, _ in METHODS]
 # (in the dynamic form it is a lossless codec like tests/helpers/lossless.py, which the generate matrix covers).
 STATIC_METHODS = [("exact", {}, {"sink_tokens": 2})] + METHODS
 # Methods the decode-kernel tests build on a bare config (KVQuant and RotatedCache need a model: their kernel
-# paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py).
-KERNEL_METHODS = [m for m in METHODS if not m[0].startswith(("kvquant", "rotated"))]
+# paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py; TurboQuant has no kernel yet
+# and reads through the reference on every device).
+KERNEL_METHODS = [m for m in METHODS if not m[0].startswith(("kvquant", "rotated", "turboquant"))]
