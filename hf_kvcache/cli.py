@@ -23,7 +23,8 @@ from pathlib import Path
 __all__ = ["BASELINE", "DEFAULT_METHODS", "EvalConfig", "main", "run_eval", "split_methods"]
 
 BASELINE = "none"
-DEFAULT_METHODS = ("none", "fp8-e4m3", "fp8-e5m2", "int8", "int4-g32", "int4-g64", "int2-g32")
+# The demo's methods: the baseline, FP8 and INT, and one preset of each family that needs no calibration file.
+DEFAULT_METHODS = ("none", "fp8-e4m3", "int8", "int4-g32", "int2-g32", "kivi-2", "rotated-4", "turboquant-4")
 PROTOCOLS = ("stream", "paper", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -334,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     compare = sub.add_parser(
         "compare",
-        help="the demo: every basic method on the default model, one table and plot",
+        help="the demo: a preset of every method that needs no calibration on the default model, one table and plot",
         description="Streaming and paper-protocol perplexity, passkey retrieval and bytes "
         "per token of " + ", ".join(DEFAULT_METHODS) + " in one run (the options of `eval` change "
         "what it measures, e.g. --methods kivi-4,kivi-2).",

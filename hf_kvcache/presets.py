@@ -76,7 +76,8 @@ for _bits in (4, 3.5, 3, 2.5):
     PRESETS[f"turboquant-{_bits:g}"] = Preset(
         TurboQuantCache, {"bits": _bits},
         f"TurboQuant {_bits:g} bits per channel: seeded random rotation, then the Lloyd-Max codebook of the rotated "
-        "coordinate law for every coordinate, fp16 norm per vector; no calibration, the model unchanged",
+        "coordinate law for every coordinate, an fp16 length per vector (at .5 bits the half of the channels with "
+        "most prefill energy coded apart with the extra bit); no calibration, the model unchanged",
     )
 
 

@@ -331,15 +331,15 @@ def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int
 
 
 # Split-K workspaces by (CUDA stream, rows, parts, D), reused from call to call of the dynamic form: an eager decode
-# step otherwise pays three allocations per layer (~5 us of host time each on the H200 host). Kernels on one stream run in order, so a
-# workspace is never read by one call while the next writes it; a few shapes live at once (the split count
-# settles once a cache is long), and the oldest is dropped past `_WORKSPACES_KEPT`.
+# step otherwise pays three allocations per layer (~5 us of host time each on the H200 host). Kernels on one
+# stream run in order, so a workspace is never read by one call while the next writes it; a few shapes live at
+# once (the split count settles once a cache is long), and the oldest is dropped past `_WORKSPACES_KEPT`.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _WORKSPACES_KEPT = 8
 
 
-def _partials(query: torch.Tensor, rows: int, n_parts: int, reuse: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                torch.Tensor]:
+def _partials(query: torch.Tensor, rows: int, n_parts: int,
+              reuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 split-K partial results of `rows` query rows: acc `(rows * n_parts, D)`, running max and sum.
 
     `reuse` (the dynamic form, eager): from the shared workspaces. Never for the static form, whose calls run inside

@@ -21,7 +21,8 @@ from tests.helpers.tiny_models import tiny_model
 def test_every_preset_builds_and_describes_itself(spec):
     model = tiny_model("qwen3")  # head_dim 128: every group size divides it
     cache = make_cache(spec, model)
-    methods = (ExactCache, QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache, TurboQuantCache)
+    methods = (ExactCache, QuantizedFP8Cache, QuantizedIntCache, KIVICache, KVQuantCache, RotatedCache,
+               TurboQuantCache)
     assert isinstance(cache, DynamicCache if spec == "none" else methods)
     assert describe(spec)
 

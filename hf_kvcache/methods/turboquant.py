@@ -150,10 +150,10 @@ class RandomRotation:
 
 
 class TurboCodec(Codec):
-    """One stream coded as TurboQuant: rotate, code each coordinate of the unit vector, keep the norm.
+    """One stream coded as TurboQuant: rotate, code each coordinate of the unit vector, keep one length.
 
     Fields (B, H, T, ...): `codes` (integer widths) or `codes_hi` / `codes_lo` (the two halves of a fractional
-    width), packed little-endian (`quant.pack_bits`); `norm (.., 1) fp16`; with `qjl`: `signs (.., D/8) uint8`
+    width), packed little-endian (`quant.pack_bits`); `norm (.., 1) fp16`, the length (`scale`); with `qjl`: `signs (.., D/8) uint8`
     (the residual's sketch, one bit per row of S) and `rnorm (.., 1) fp16`.
     """
 
@@ -318,13 +318,13 @@ class TurboQuantCache(QuantizedKVCache):
         check_nonnegative_int("seed", seed)
         if value_qjl:
             raise ValueError(
-                "value_qjl=True is not supported: QJL's sketch is an unbiased estimator of inner products, which is how "
-                "keys are read (q . k); values are averaged by the attention weights, where it only adds variance. "
-                "Use key_qjl=True for keys, and the plain codebook for values"
+                "value_qjl=True is not supported: QJL's sketch is an unbiased estimator of inner products, which "
+                "is how keys are read (q . k); values are averaged by the attention weights, where it only adds "
+                "variance. Use key_qjl=True for keys, and the plain codebook for values"
             )
         if key_qjl and scale == "lsq":
-            raise ValueError("scale='lsq' refits the norm to the coded direction, which QJL's residual sketch of the keys "
-                             "assumes unscaled: use key_qjl=True with scale='norm'")
+            raise ValueError("scale='lsq' refits the norm to the coded direction, which QJL's residual sketch of "
+                             "the keys assumes unscaled: use key_qjl=True with scale='norm'")
         if key_qjl and bits - 1 < 1:
             raise ValueError(f"key_qjl=True with bits={bits} leaves {bits - 1} bits for the codebook; use bits >= 2")
         _, _, head_dim = attention_shape(config)
