@@ -74,9 +74,14 @@ def rotation_matrix(head_dim: int, seed: int = 0) -> tuple[torch.Tensor, str]:
         if head_dim % order == 0 and order % 4 == 0 and _is_prime(order - 1) and (order - 1) % 4 == 3:
             h = torch.kron(_paley(order), _sylvester(head_dim // order))
             return h / math.sqrt(head_dim), f"hadamard-paley{order}"
+    return random_orthogonal(head_dim, seed), "random-orthogonal"
+
+
+def random_orthogonal(head_dim: int, seed: int) -> torch.Tensor:
+    """A `(head_dim, head_dim)` float64 orthogonal matrix drawn uniformly (Haar) from a seeded Gaussian's QR."""
     gen = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))[None, :], "random-orthogonal"
+    return q * torch.sign(torch.diagonal(r))[None, :]
 
 
 class Rotation:

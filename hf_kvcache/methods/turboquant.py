@@ -39,7 +39,7 @@ import torch
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..quant import pack_bits, unpack_bits
 from ._common import attention_shape, check_choice, check_nonnegative_int
-from .rotated import Rotation
+from .rotated import Rotation, random_orthogonal
 
 TURBOQUANT_BITS = (2, 2.5, 3, 3.5, 4)
 _GRID = 1 << 14  # cells of [-1, 1] on which the law is integrated (a coordinate's spread is ~700 cells at D=128)
@@ -119,14 +119,13 @@ class RandomRotation:
     def __init__(self, head_dim: int, seed: int, kind: str = "hadamard"):
         check_choice("rotation", kind, ROTATIONS)
         self.kind = kind
-        gen = torch.Generator().manual_seed(seed)
         if kind == "dense":
-            q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
-            self.matrix = (q * torch.sign(torch.diagonal(r))[None, :]).float()
+            self.matrix = random_orthogonal(head_dim, seed).float()
             self.signs = torch.ones(0, head_dim)
         else:
             self.rotation = Rotation(head_dim, seed)
             rounds = 2 if kind == "hadamard2" else 1
+            gen = torch.Generator().manual_seed(seed)
             self.signs = torch.randint(0, 2, (rounds, head_dim), generator=gen).float() * 2 - 1
         self._on: dict[torch.device, torch.Tensor] = {}
 
@@ -233,7 +232,8 @@ class SplitTurboCodec(Codec):
     def __init__(self, head_dim: int, bits: float, seed: int, qjl: bool = False, rotation: str = "dense",
                  scale: str = "lsq", high: int | None = None):
         super().__init__()
-        (_, _, b_hi), (_, _, b_lo) = channel_split(head_dim, bits) * (1 if not float(bits).is_integer() else 2)
+        whole = float(bits).is_integer()
+        b_hi, b_lo = (int(bits), int(bits)) if whole else (math.floor(bits) + 1, math.floor(bits))  # extra bit: high
         self.high = head_dim // 2 if high is None else high
         self.halves = {"hi_": TurboCodec(self.high, b_hi, seed, qjl, rotation, scale),
                        "lo_": TurboCodec(head_dim - self.high, b_lo, seed + 7919, qjl, rotation, scale)}
