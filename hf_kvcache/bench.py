@@ -268,8 +268,9 @@ def sweep_part(cfg: BenchConfig, log=print) -> list[dict]:
         nuq = fmt.kind == "nuq"  # KVQuant's own kernel: tile tokens and warps (2 stages)
         per_channel_keys = fmt.token_group > 1
         for block_n in (64,) if per_channel_keys else ((16, 32, 64) if nuq else (32, 64, 128)):
-            for warps, stages in ((4, 2), (8, 2)) if nuq else ((4, 2), (4, 3), (4, 4), (4, 6), (8, 4)):
-                ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, nuq_block_n=block_n)
+            for warps, stages in ((4, 2), (8, 2)) if nuq else ((1, 3), (2, 2), (2, 3), (2, 4), (4, 3)):
+                ops.TUNING.update(block_n=block_n, num_warps=warps, num_stages=stages, nuq_block_n=block_n,
+                                  nuq_num_warps=warps)
                 try:
                     ms = _bench_ms(lambda: fused_attention(q, kh, vh, None, d**-0.5), rep_ms=50)
                 except Exception as error:  # a configuration that does not compile (shared memory, ...)

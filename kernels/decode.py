@@ -7,7 +7,9 @@ Work split, per (batch row, kv-head, tile of query rows):
   where both keys and values are packed. Codes are read as contiguous bytes and split into codes in registers,
   dequantized in fp32 (`code * scale + zero` per group; per-channel keys fold the scale into q:
   q.k = (q * s) . c + q . z, one block of tokens per tile; fp8 keys and values take their per-head scale
-  after the products) and fed to tensor cores in the model dtype.
+  after the products) and fed to tensor cores in the model dtype, or in fp16 for a bf16 model whose codes are all
+  exact in fp16 (fp8, and integer codes of one group per token row): then q enters the products rounded to fp16
+  (times a power of two if it would overflow) and p is rounded to fp16 instead of bf16 (`ops._product_dtype`).
 - one tail program (a separate launch of the same kernel, BODY=False, so that its many live tiles do not
   raise the body's register count) reads everything else token by token: the sink, the packed tokens outside whole body tiles
   (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
@@ -186,6 +188,20 @@ def _fp8_to_float(c, FMT: tl.constexpr):
 
 
 @triton.jit
+def _fp8_to(c, FMT: tl.constexpr, PDT: tl.constexpr):
+    """fp8 codes as the products' dtype: straight to fp16 (exact, one conversion per two codes) when PDT is fp16,
+    else through fp32 (bf16 has no direct conversion from fp8 on Hopper)."""
+    if PDT == tl.float16 and FMT != 4:
+        if FMT == 1:
+            x = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            x = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float16)
+    else:
+        x = _fp8_to_float(c, FMT).to(PDT)
+    return x
+
+
+@triton.jit
 def _dequant(C, SC, Z, tok, d, mask, sc_t, ss_t, ss_c, fp8_scale,
              FMT: tl.constexpr, BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr):
     """Element-domain dequantization of packed tokens `tok (N, 1)` x channels `d (1, D)` -> float32 (N, D)."""
@@ -303,7 +319,7 @@ def _attn_fwd(
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
+    PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
     CAUSAL_BODY: tl.constexpr, K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
@@ -371,18 +387,27 @@ def _attn_fwd(
         VPER: tl.constexpr = 8 // V_BITS if V_PLANES else 1
         jk = tl.arange(0, D // KPER)
         jv = tl.arange(0, D // VPER)
+        # The products' operands are PDT: the model dtype, or fp16 for a bf16 model when every code converts to
+        # fp16 exactly (fp8, integer codes as 1024 + c): one instruction per two codes instead of a trip through
+        # fp32. The query then enters the products times q_pow2, a power of two that keeps it inside fp16's range
+        # (1 unless some |q| >= 2^15), and the scores are divided by it again.
+        q_pow2 = 1.0
+        if PDT != DT:
+            q_max = tl.max(tl.max(tl.abs(qf), 1), 0)
+            q_pow2 = tl.exp2(-tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1e-30) * (1.0 / 32768.0))), 0.0))
+        qp = (qf * q_pow2).to(PDT)
         if K_PLANES:
-            # query planes, rounded to the model dtype as the products see them; their sums undo OFF and the zeros
-            q0 = _q_plane(Q, qoff, row_ok, jk, 0, KPER).to(DT)
+            # query planes, rounded as the products see them; their sums undo OFF and the zeros
+            q0 = (_q_plane(Q, qoff, row_ok, jk, 0, KPER).to(tl.float32) * q_pow2).to(PDT)
             q1 = q0
             q2 = q0
             q3 = q0
             if KPER > 1:
-                q1 = _q_plane(Q, qoff, row_ok, jk, 1, KPER).to(DT)
+                q1 = (_q_plane(Q, qoff, row_ok, jk, 1, KPER).to(tl.float32) * q_pow2).to(PDT)
             if KPER > 2:
-                q2 = _q_plane(Q, qoff, row_ok, jk, 2, KPER).to(DT)
-                q3 = _q_plane(Q, qoff, row_ok, jk, 3, KPER).to(DT)
-            q_sum = tl.sum(qd.to(tl.float32), 1)
+                q2 = (_q_plane(Q, qoff, row_ok, jk, 2, KPER).to(tl.float32) * q_pow2).to(PDT)
+                q3 = (_q_plane(Q, qoff, row_ok, jk, 3, KPER).to(tl.float32) * q_pow2).to(PDT)
+            q_sum = tl.sum(qp.to(tl.float32), 1) / q_pow2
         acc0 = tl.zeros((BLOCK_M, D // VPER), tl.float32)
         acc1 = acc0
         acc2 = acc0
@@ -409,7 +434,7 @@ def _attn_fwd(
             # ---- scores (BLOCK_M, BLOCK_N)
             if K_FMT != 3:
                 c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
-                s = _dot(qd, tl.trans(_fp8_to_float(c, K_FMT).to(DT)), PREC) * k_scale
+                s = _dot(qp, tl.trans(_fp8_to(c, K_FMT, PDT)), PREC) * (k_scale / q_pow2)
             elif K_PLANES and K_TOKG > 1:
                 # one tile = one block of K_TOKG tokens with per-channel scales: q.k = (q * s) . c + q . z
                 qs0 = (q0.to(tl.float32) * k0[None, :]).to(DT)
@@ -424,11 +449,11 @@ def _attn_fwd(
                     qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
                     qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
-                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, DT, K_OFF)
+                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF)
                 s += (tl.sum(qf * kz_t[None, :], 1) - K_OFF * qs_sum)[:, None]
             elif K_PLANES:
                 # one group per token row: q.k = scale * (q . c) + zero * sum(q)
-                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, DT, K_OFF)
+                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF) / q_pow2
                 if K_SYM:
                     s = (s - (K_OFF + (1 << (K_BITS - 1))) * q_sum[:, None]) * k0[None, :]
                 else:
@@ -453,21 +478,25 @@ def _attn_fwd(
             # ---- values
             if V_FMT != 3:
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
-                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), _fp8_to_float(c, V_FMT).to(DT), PREC)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC)
             elif V_PLANES:
-                # one group per token row: sum_n p_n v_n = (p * scale) . c + sum_n p_n zero_n
-                ps = (p * v0[None, :]).to(DT)
+                # one group per token row: sum_n p_n v_n = (p * scale) . c + sum_n p_n zero_n; p * scale is
+                # clamped to fp16's largest value when the products are fp16 (a scale past it is not a real cache)
+                ps = p * v0[None, :]
+                if PDT != DT:
+                    ps = tl.minimum(ps, 65504.0)
+                ps = ps.to(PDT)
                 if V_SYM:
                     extra = extra * alpha - (V_OFF + (1 << (V_BITS - 1))) * tl.sum(ps.to(tl.float32), 1)
                 else:
                     extra = extra * alpha + tl.sum(p * vz_t[None, :] - V_OFF * ps.to(tl.float32), 1)
                 byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
-                acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, DT, V_OFF), PREC)
+                acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF), PREC)
                 if VPER > 1:
-                    acc1 = acc1 * alpha[:, None] + _dot(ps, _plane(byte, 1, V_BITS, DT, V_OFF), PREC)
+                    acc1 = acc1 * alpha[:, None] + _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF), PREC)
                 if VPER > 2:
-                    acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, DT, V_OFF), PREC)
-                    acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, DT, V_OFF), PREC)
+                    acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF), PREC)
+                    acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF), PREC)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)

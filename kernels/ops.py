@@ -10,22 +10,28 @@ import os
 import torch
 
 from . import backend
-from .layout import SCALED_KINDS, NUQFormat, StaticLayout, StreamTensors
+from .layout import FP8_KINDS, SCALED_KINDS, NUQFormat, StaticLayout, StreamTensors
 
 # Launch parameters of the fused attention (the benchmark's sweep sets them; the environment can too):
 # tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
 # split-K's target of programs per multiprocessor (each split keeps at least `min_tiles_per_split` tiles).
-# Defaults from the H200 sweep of 2026-11-29 (BENCHMARKS.md): 64-token tiles with 3 stages and about 8 programs
-# per multiprocessor beat 32-token tiles with 2 stages by 1.1-1.5x for every format.
+# Defaults from the H200 sweeps (BENCHMARKS.md): 64-token tiles with 3 stages (2026-11-29); 2 warps a program and
+# about 16 programs per multiprocessor (2026-12-01: the 4 warps of a program split each tile's columns, so every
+# tile's row maxima and sums and p's operand layout crossed warps through shared memory and barriers; 2 warps with
+# twice the programs were 1.05-1.15x faster for every format at batch 16), each split at least 4 tiles (more
+# splits at batch 1 only added partial results to combine). KVQuant's kernel keeps 4 warps (2 were 1.7x slower).
 TUNING = {
     "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),
-    "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "4")),
+    "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "2")),
     "num_stages": int(os.environ.get("HF_KVCACHE_NUM_STAGES", "3")),
-    "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "8")),
+    "programs_per_sm": int(os.environ.get("HF_KVCACHE_PROGRAMS_PER_SM", "16")),
     "nuq_block_n": int(os.environ.get("HF_KVCACHE_NUQ_BLOCK_N", "32")),  # KVQuant's tiles (its own kernel)
+    "nuq_num_warps": int(os.environ.get("HF_KVCACHE_NUQ_NUM_WARPS", "4")),
     "nuq_fast_trig": True,  # KVQuant's RoPE: reduced angles and the approximate hardware cos/sin
     "nuq_select": True,  # KVQuant's codebook lookup: selects over the centroids (False: a gather load)
-    "min_tiles_per_split": 2,
+    "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
+    # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
+    "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
 }
 
 
@@ -95,8 +101,29 @@ def _planes(fmt, head_dim: int, keys: bool) -> bool:
     return (keys and fmt.token_group > 1) or (fmt.channel_group or head_dim) == head_dim
 
 
+def _fp16_exact(fmt, head_dim: int, keys: bool) -> bool:
+    """Whether the body converts this stream's codes to fp16 exactly and multiplies nothing else into that operand:
+    fp8, or integer codes of one group per token row read as planes (1024 + c). Per-channel key blocks (q * scale)
+    and whole-tile dequantization (code * scale + zero) are not: their operands could leave fp16's range."""
+    if fmt.kind in FP8_KINDS:
+        return True
+    return _planes(fmt, head_dim, keys) and fmt.token_group == 1
+
+
+def _product_dtype(query: torch.Tensor, keys, values) -> torch.dtype:
+    """The dtype of the body's tensor-core operands (`decode._attn_fwd`'s PDT): fp16 for a bf16 model whose codes
+    all convert to fp16 exactly (the query then enters scaled by a power of two, and p is rounded to fp16, which
+    keeps 3 more bits of it than bf16); the model dtype otherwise, and always on the interpreter."""
+    d = query.shape[-1]
+    if (query.dtype == torch.bfloat16 and TUNING["fp16_products"] and not backend.interpreting()
+            and _fp16_exact(keys.fmt, d, keys=True) and _fp16_exact(values.fmt, d, keys=False)):
+        return torch.float16
+    return query.dtype
+
+
 def _magic_offset(fmt, dtype: torch.dtype) -> int:
-    """OFF of `decode._plane`: 128 for codes below 128 in bf16, 1024 in fp16, 0 (a plain conversion) otherwise."""
+    """OFF of `decode._plane` for products in `dtype`: 128 for codes below 128 in bf16, 1024 in fp16, 0 (a plain
+    conversion) otherwise."""
     if fmt.kind != "uniform" or backend.interpreting():
         return 0
     if dtype == torch.float16:
@@ -215,6 +242,7 @@ def decode_attention(
     part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
     m_args = _mask_args(attention_mask, dummy)
     dt, prec = _compute_dtype(query)
+    pdt = _product_dtype(query, keys, values)
 
     def stream_args(st: StreamTensors, new: torch.Tensor) -> list:
         sink = _place(st.sink, dummy)
@@ -245,11 +273,11 @@ def decode_attention(
         float(scaling), float(softcap or 0.0),
     ]
     meta = dict(
-        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec,
-        HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=decode.tl.float16 if pdt != query.dtype else dt,
+        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
         CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
-        K_OFF=_magic_offset(keys.fmt, query.dtype), V_OFF=_magic_offset(values.fmt, query.dtype),
+        K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
     )
@@ -488,7 +516,7 @@ def nuq_attention(
         K_SP=nuq.triton.next_power_of_2(max(kf.slots, 1)), V_SP=nuq.triton.next_power_of_2(max(vf.slots, 1)),
         FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(), SELECT=TUNING["nuq_select"],
         STATIC=static is not None, SINK_CAP=static.sink_tokens if static is not None else 0,
-        num_warps=TUNING["num_warps"], num_stages=2,
+        num_warps=TUNING["nuq_num_warps"], num_stages=2,
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out

@@ -49,19 +49,20 @@ def _filled_layer(spec, kwargs, *, batch, heads, kv_heads, head_dim, steps, dtyp
 
 
 def _compare(spec, kwargs, *, batch=2, heads=4, kv_heads=2, head_dim=64, steps=(70, 1), dtype=torch.float32,
-             mask=None, softcap=None, quantize_before=False, tol=None):
+             mask=None, softcap=None, quantize_before=False, tol=None, q_scale=1.0):
     cache, (kh, vh) = _filled_layer(spec, kwargs, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     steps=steps, dtype=dtype)
     cache.quantize_before_attention = quantize_before
     tq = steps[-1]
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(batch, heads, tq, head_dim, generator=gen).to(DEVICE, dtype)
+    q = (torch.randn(batch, heads, tq, head_dim, generator=gen) * q_scale).to(DEVICE, dtype)
     if mask is not None:
         mask = mask.to(DEVICE)
+    scaling = head_dim**-0.5 / q_scale  # a large q_scale: large query values, the same logits
     with kernels.use_backend("triton"):
-        got = fused_attention(q, kh, vh, mask, head_dim**-0.5, softcap=softcap)
+        got = fused_attention(q, kh, vh, mask, scaling, softcap=softcap)
     assert got is not None, "the kernel declined a layout it should read"
-    want = reference_attention(q, kh, vh, mask, head_dim**-0.5, softcap=softcap).transpose(1, 2)
+    want = reference_attention(q, kh, vh, mask, scaling, softcap=softcap).transpose(1, 2)
     atol = tol or (2e-5 if dtype == torch.float32 else 2e-2)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
@@ -125,6 +126,40 @@ def test_chunk_of_queries_with_padding_mask(spec, kwargs):
 def test_bfloat16_mqa_and_softcap(spec):
     kwargs = {"residual_length": 32} if spec.startswith("kivi") else {}
     _compare(spec, kwargs, heads=8, kv_heads=1, steps=(130, 1), dtype=torch.bfloat16, softcap=20.0)
+
+
+def test_fp16_products_only_where_every_code_converts_exactly(monkeypatch):
+    """A bf16 model's products run in fp16 when both streams are fp8 or one-group-per-row integer planes; per-channel
+    keys (q * scale), grouped tiles and the model dtype itself stay in bf16."""
+    from types import SimpleNamespace
+
+    from hf_kvcache.kernels import ops
+
+    monkeypatch.setattr(ops.backend, "interpreting", lambda: False)
+    q = torch.zeros(1, 2, 1, 64, dtype=torch.bfloat16)
+    whole_row_int2 = ("int2-g32", {"group_size": 64})
+    for (spec, kwargs), want in [(("fp8-e4m3", {}), torch.float16), (("fp8-e5m2", {}), torch.float16),
+                                 (("int8", {}), torch.float16), (("int4-g64", {}), torch.float16),
+                                 (whole_row_int2, torch.float16), (("int4-g32", {}), torch.bfloat16),
+                                 (("kivi-2", {}), torch.bfloat16), (("exact", {}), torch.bfloat16)]:
+        cache, _ = _filled_layer(spec, kwargs, batch=1, heads=2, kv_heads=1, head_dim=64, steps=(3,),
+                                 dtype=torch.float32)
+        layer = cache.layers[0]
+        keys = SimpleNamespace(fmt=layer.key_stream.codec.packed_format())
+        values = SimpleNamespace(fmt=layer.value_stream.codec.packed_format())
+        assert ops._product_dtype(q, keys, values) == want, spec
+        assert ops._product_dtype(q.half(), keys, values) == torch.float16, spec
+        assert ops._product_dtype(q.float(), keys, values) == torch.float32, spec
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="fp16 products are the GPU path of bf16 models (the interpreter: fp32)")
+@pytest.mark.parametrize("q_scale", [1.0, 4e4], ids=["q", "q-past-fp16-range"])
+@pytest.mark.parametrize("spec,kwargs", [("fp8-e4m3", {}), ("fp8-e5m2", {}), ("int8", {}), ("int4-g64", {}),
+                                         ("int2-g32", {"group_size": 64})], ids=["e4m3", "e5m2", "int8", "int4", "int2"])
+def test_bfloat16_model_through_fp16_products(spec, kwargs, q_scale):
+    """fp16 operands for a bf16 model: codes exact, and a query past fp16's range (|q| up to ~1.6e5, logits kept as
+    they were by the softmax scale) enters the products divided by a power of two instead of overflowing."""
+    _compare(spec, kwargs, heads=8, kv_heads=2, steps=(300, 1), dtype=torch.bfloat16, q_scale=q_scale)
 
 
 @pytest.mark.parametrize("spec", ["int2-g32", "kivi-4"])
