@@ -18,7 +18,7 @@ from .layout import FP8_KINDS, SCALED_KINDS, NUQFormat, StaticLayout, StreamTens
 # Defaults from the H200 sweeps (BENCHMARKS.md): 64-token tiles with 3 stages (2026-11-29); 2 warps a program and
 # about 16 programs per multiprocessor (2026-12-01: the 4 warps of a program split each tile's columns, so every
 # tile's row maxima and sums and p's operand layout crossed warps through shared memory and barriers; 2 warps with
-# twice the programs were 1.05-1.15x faster for every format at batch 16), each split at least 4 tiles (more
+# twice the programs were 1.08-1.16x faster for every format at batch 16), each split at least 4 tiles (more
 # splits at batch 1 only added partial results to combine). KVQuant's kernel keeps 4 warps (2 were 1.7x slower).
 TUNING = {
     "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),

@@ -294,6 +294,8 @@ class TurboQuantCache(QuantizedKVCache):
         seed: seeds of the rotations (and QJL's matrix); layer i uses seed + 2i for keys and + 1 for values.
         sink_tokens: first tokens kept in the model dtype (default 0).
         residual_length: most recent tokens kept in the model dtype (default 0).
+        key_bits, value_bits: the keys' and the values' widths when they differ from `bits` (each one of the
+            widths above; the presets `turboquant-3.5` and `-3` give the keys half a bit more than the values).
         max_cache_len: the static form (`hf_kvcache.static`); None (default): the dynamic form.
     """
 
@@ -311,8 +313,14 @@ class TurboQuantCache(QuantizedKVCache):
         split: int | None = None,
         sink_tokens: int = 0,
         residual_length: int = 0,
+        key_bits: float | None = None,
+        value_bits: float | None = None,
     ):
         check_choice("bits", bits, TURBOQUANT_BITS, "Fractional widths code half the rotated channels at one bit more.")
+        key_bits = bits if key_bits is None else key_bits
+        value_bits = bits if value_bits is None else value_bits
+        for name, width in (("key_bits", key_bits), ("value_bits", value_bits)):
+            check_choice(name, width, TURBOQUANT_BITS, "Fractional widths code half the channels at one bit more.")
         check_nonnegative_int("sink_tokens", sink_tokens)
         check_nonnegative_int("residual_length", residual_length)
         check_nonnegative_int("seed", seed)
@@ -325,8 +333,9 @@ class TurboQuantCache(QuantizedKVCache):
         if key_qjl and scale == "lsq":
             raise ValueError("scale='lsq' refits the norm to the coded direction, which QJL's residual sketch of "
                              "the keys assumes unscaled: use key_qjl=True with scale='norm'")
-        if key_qjl and bits - 1 < 1:
-            raise ValueError(f"key_qjl=True with bits={bits} leaves {bits - 1} bits for the codebook; use bits >= 2")
+        if key_qjl and key_bits - 1 < 1:
+            raise ValueError(f"key_qjl=True with key width {key_bits} leaves {key_bits - 1} bits for the codebook; "
+                             "use bits (or key_bits) >= 2")
         _, _, head_dim = attention_shape(config)
         if head_dim < 16 or head_dim % 16:
             raise ValueError(
@@ -336,24 +345,32 @@ class TurboQuantCache(QuantizedKVCache):
         check_choice("rotation", rotation, ROTATIONS)
         check_choice("scale", scale, SCALES)
         self.bits, self.key_qjl, self.seed, self.rotation = bits, bool(key_qjl), seed, rotation
+        self.key_bits, self.value_bits = key_bits, value_bits
 
-        if split is None:  # measured: the energy split wins at fractional widths and loses at whole ones (README)
-            split = 0 if float(bits).is_integer() else head_dim // 2
-        check_nonnegative_int("split", split)
-        if split and (split % 8 or split >= head_dim or (not float(bits).is_integer() and split != head_dim // 2)):
-            raise ValueError(f"split={split} must be a multiple of 8 below head_dim={head_dim} (and head_dim / 2 = "
-                             f"{head_dim // 2} for a fractional width, whose extra bit goes to that half)")
-        self.split = split
+        def split_for(width: float) -> int:
+            """The channels a stream of this width codes apart (`split`, or its measured default)."""
+            chosen = split
+            if chosen is None:  # measured: the energy split wins at fractional widths and loses at whole ones (README)
+                chosen = 0 if float(width).is_integer() else head_dim // 2
+            check_nonnegative_int("split", chosen)
+            fractional = not float(width).is_integer()
+            if chosen and (chosen % 8 or chosen >= head_dim or (fractional and chosen != head_dim // 2)):
+                raise ValueError(f"split={chosen} must be a multiple of 8 below head_dim={head_dim} (and head_dim / 2 "
+                                 f"= {head_dim // 2} for a fractional width, whose extra bit goes to that half)")
+            return chosen
 
-        def codec(seed: int, qjl: bool = False) -> Codec:
-            if split:
-                return SplitTurboCodec(head_dim, bits, seed, qjl, rotation, scale, high=split)
-            return TurboCodec(head_dim, bits, seed, qjl, rotation, scale)
+        self.key_split, self.value_split = split_for(key_bits), split_for(value_bits)
+
+        def codec(b: float, seed: int, qjl: bool = False) -> Codec:
+            high = split_for(b)
+            if high:
+                return SplitTurboCodec(head_dim, b, seed, qjl, rotation, scale, high=high)
+            return TurboCodec(head_dim, b, seed, qjl, rotation, scale)
 
         def policy(layer_idx: int) -> LayerPolicy:
             return LayerPolicy(
-                key_codec=codec(seed + 2 * layer_idx, self.key_qjl),
-                value_codec=codec(seed + 2 * layer_idx + 1),
+                key_codec=codec(key_bits, seed + 2 * layer_idx, self.key_qjl),
+                value_codec=codec(value_bits, seed + 2 * layer_idx + 1),
                 sink_tokens=sink_tokens,
                 key_residual_length=residual_length,
                 value_residual_length=residual_length,

@@ -146,8 +146,23 @@ def test_bytes_per_token_are_codes_and_lengths(bits, split, per_token):
     hkv = config.num_key_value_heads
     k = torch.randn(2, hkv, 40, 64)
     cache.update(k, k, 0)
-    order = 2 * 2 * hkv * 64 if cache.split else 0  # keys and values: one byte a channel per sequence and head
+    order = 2 * 2 * hkv * 64 if cache.key_split else 0  # keys and values: one byte a channel per sequence and head
     assert cache.layers[0].nbytes() == 2 * 2 * hkv * 40 * per_token + order  # keys and values, batch 2
+
+
+@pytest.mark.parametrize("spec,key_token,value_token,split_streams", [
+    ("turboquant-3.5", 64 * 4 // 8 + 2, 64 * 3 // 8 + 2, 0),  # 4-bit keys, 3-bit values: whole widths, no split
+    ("turboquant-3", 32 * 4 // 8 + 32 * 3 // 8 + 4, 32 * 3 // 8 + 32 * 2 // 8 + 4, 2),  # 3.5 / 2.5: both split
+])
+def test_presets_give_the_keys_half_a_bit_more(spec, key_token, value_token, split_streams):
+    config = TINY_CONFIGS["llama"]()
+    cache = make_cache(spec, config)
+    hkv = config.num_key_value_heads
+    k = torch.randn(2, hkv, 40, 64)
+    cache.update(k, k, 0)
+    assert (cache.key_bits + cache.value_bits) / 2 == cache.bits
+    orders = split_streams * 2 * hkv * 64  # a split stream keeps one byte a channel per sequence and head
+    assert cache.layers[0].nbytes() == 2 * hkv * 40 * (key_token + value_token) + orders
 
 
 def test_the_energy_split_spares_the_small_channels():
@@ -173,6 +188,8 @@ def test_presets_and_errors():
     assert make_cache("turboquant-3:key_qjl=true,scale=norm", config).key_qjl
     with pytest.raises(ValueError, match="bits=5"):
         TurboQuantCache(config, bits=5)
+    with pytest.raises(ValueError, match="value_bits=1.5"):
+        TurboQuantCache(config, value_bits=1.5)
     with pytest.raises(ValueError, match="rotation='givens'"):
         TurboQuantCache(config, rotation="givens")
     with pytest.raises(ValueError, match="scale='lsq'"):
