@@ -471,7 +471,7 @@ def static_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
     keys, values = layer.key_stream.kernel_view(), layer.value_stream.kernel_view()
     b, hq, tq, d = query.shape
     if (kernels.use_kernels(query.device) and keys is not None and values is not None
-            and kernels.ops.supports(keys, values, query) is None
+            and kernels.ops.supports(keys, values, query, static=True) is None
             and (attention_mask is None or attention_mask.dtype == torch.bool)):
         exact_new = not layer.quantize_before_attention
         if (not _compiling() and exact_new and tq > 1 and layer.held_tokens == tq and softcap is None

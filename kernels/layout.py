@@ -13,11 +13,13 @@ promises (B = batch, H = kv-heads, D = head_dim, b = bits, rows along axis 2 as 
 - `kind="uniform"`, `token_group=G > 1`, `channel_group=1` (KIVI keys, per channel over blocks of G tokens):
   `codes (B, H, n, G, D*b/8) uint8`, `scale (B, H, n, D) fp16`, `zero (B, H, n, D) fp16`.
 
-KVQuant's non-uniform codes are described by `NUQFormat` (kernels in `nuq.py`).
+KVQuant's non-uniform codes are described by `NUQFormat` (kernels in `nuq.py`), TurboQuant's codebook codes by
+`CodebookFormat` (kernels in `turbo.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,3 +103,31 @@ class NUQFormat:
         if self.bits not in (2, 3, 4) or self.codebook.numel() != 2**self.bits:
             raise ValueError(f"a NUQ format has 2, 3 or 4 bits and 2^bits centroids, got {self.bits} bits and "
                              f"{self.codebook.numel()} centroids")
+
+
+@dataclass(frozen=True)
+class CodebookPart:
+    """`width` channels of the frame from `start`, coded against one fixed `codebook (2^bits,) float32` (indexed by
+    code) with one length per token: `codes (B, H, T, width*bits/8) uint8` and `norm (B, H, T, 1) fp16` (field
+    names). The value of channel c is `norm * codebook[code_c]`. Codes are `quant.pack_bits` little-endian for 1, 2
+    and 4 bits; 3-bit codes are two planes, the low two bits (`width / 4` bytes, 2-bit layout) then the top bit
+    (`width / 8` bytes, 1-bit layout). A 4-bit codebook the kernel looks up in registers is in sign-magnitude order
+    (`codebook[8 + j] = -codebook[j] >= 0`, ascending in j)."""
+
+    codes: str
+    norm: str
+    bits: int
+    start: int
+    width: int
+    codebook: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CodebookFormat:
+    """TurboQuant's fields (`hf_kvcache.methods.turboquant`): every stored vector is `x F`, F orthogonal (`frame(device)
+    -> (B or 1, H or 1, D, D) float32`), its channels coded part by part (`parts`, covering 0..D in order)."""
+
+    parts: tuple[CodebookPart, ...]
+    frame: Callable[[torch.device], torch.Tensor]
+    kind: str = "codebook"
+    token_group: int = 1

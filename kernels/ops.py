@@ -10,7 +10,7 @@ import os
 import torch
 
 from . import backend
-from .layout import FP8_KINDS, SCALED_KINDS, NUQFormat, StaticLayout, StreamTensors
+from .layout import FP8_KINDS, SCALED_KINDS, CodebookFormat, NUQFormat, StaticLayout, StreamTensors
 
 # Launch parameters of the fused attention (the benchmark's sweep sets them; the environment can too):
 # tokens per tile (per-token formats; per-channel keys use their block), warps, software-pipelining stages, and
@@ -32,6 +32,12 @@ TUNING = {
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
     # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
+    # TurboQuant's kernel (`turbo.py`): its codebook lookup, "registers" (PTX, fp16 products) or "load"
+    # (BENCHMARKS.md, 2026-12-01: x0.84 against x0.28 at batch 16 x 32k), its tiles, warps and stages
+    "turbo_lookup": os.environ.get("HF_KVCACHE_TURBO_LOOKUP", "registers"),
+    "turbo_block_n": int(os.environ.get("HF_KVCACHE_TURBO_BLOCK_N", "128")),
+    "turbo_num_warps": int(os.environ.get("HF_KVCACHE_TURBO_NUM_WARPS", "4")),
+    "turbo_num_stages": int(os.environ.get("HF_KVCACHE_TURBO_NUM_STAGES", "2")),
 }
 
 
@@ -72,13 +78,26 @@ def head_dim_ok(d: int) -> bool:
     return 16 <= d <= 256 and not d & (d - 1)
 
 
-def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor) -> str | None:
-    """None if the fused kernel can serve this layer, else why not (the caller falls back to the reference)."""
+def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, static: bool = False) -> str | None:
+    """None if the fused kernel can serve this layer, else why not (the caller falls back to the reference);
+    `static`: the static form's buffers (`hf_kvcache.static`)."""
     d = query.shape[-1]
     if not head_dim_ok(d):
         return f"head_dim {d} is not a power of two in [16, 256]"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {query.dtype}"
+    if isinstance(keys.fmt, CodebookFormat) or isinstance(values.fmt, CodebookFormat):
+        if not (isinstance(keys.fmt, CodebookFormat) and isinstance(values.fmt, CodebookFormat)):
+            return "codebook keys and values are read together (TurboQuant)"
+        if static:
+            return "the static form of TurboQuant is read by the reference (no static kernel yet)"
+        for fmt in (keys.fmt, values.fmt):
+            if len(fmt.parts) > 2:
+                return f"{len(fmt.parts)} codebook parts"
+            for part in fmt.parts:
+                if part.bits not in (2, 3, 4) or not head_dim_ok(part.width):
+                    return f"a codebook part of {part.width} channels at {part.bits} bits"
+        return None
     if isinstance(keys.fmt, NUQFormat) or isinstance(values.fmt, NUQFormat):
         if not (isinstance(keys.fmt, NUQFormat) and isinstance(values.fmt, NUQFormat) and keys.fmt.mid is not None):
             return "NUQ keys and values are read together (KVQuant)"
@@ -212,6 +231,11 @@ def decode_attention(
     """
     from . import decode
 
+    if isinstance(keys.fmt, CodebookFormat):
+        if static is not None:
+            raise ValueError("TurboQuant's kernel reads the dynamic form only (`supports` says so for the static one)")
+        return turbo_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
+                               scaling=scaling, softcap=softcap, s_aux=s_aux)
     if isinstance(keys.fmt, NUQFormat):
         return nuq_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
                              scaling=scaling, softcap=softcap, s_aux=s_aux, static=static)
@@ -520,6 +544,138 @@ def nuq_attention(
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out
+
+
+def _frame_cat(parts: list[torch.Tensor | None], frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The exact tokens `(B, H, n, D)` of `parts` (None or empty skipped), in token order, rotated into the frame."""
+    parts = [p for p in parts if p is not None and p.shape[2]]
+    if not parts:
+        return None
+    x = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+    return (x.float() @ frame).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _asm(bits: int, halves: tuple[int, ...]) -> str:
+    from . import turbo
+
+    return turbo.lookup_asm(bits, list(halves))
+
+
+# by (id of the codebook, device, dtype): (the table, its PTX, the codebook itself, so that the id stays its own)
+_TABLES: dict[tuple, tuple[torch.Tensor, str, torch.Tensor]] = {}
+
+
+def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """A part's codebook on `device` in `dtype` (the load lookup) and its PTX (the register lookup), cached."""
+    key = (id(part.codebook), device, dtype)
+    found = _TABLES.get(key)
+    if found is None or found[2] is not part.codebook:
+        halves = tuple(int(v) & 0xFFFF for v in part.codebook.to(torch.float16).view(torch.int16).tolist())
+        found = (part.codebook.to(device=device, dtype=dtype), _asm(part.bits, halves), part.codebook)
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = found
+    return found[0], found[1]
+
+
+@on_input_device
+def turbo_attention(
+    query: torch.Tensor,
+    keys: StreamTensors,
+    values: StreamTensors,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    exact_new: bool,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention` over TurboQuant's layout (`CodebookFormat`, kernel in `turbo.py`): `query (B, Hq, Tq, D)`,
+    per part `codes (B, Hkv, T, W*b/8) uint8` and `norm (B, Hkv, T, 1) fp16` -> `(B, Tq, Hq, D)`. In the frames
+    F_k, F_v `(B or 1, Hkv or 1, D, D)`: q' = q F_k, the exact tokens k F_k and v F_v, out = o' F_v^T."""
+    from . import turbo
+
+    b, hq, tq, d = query.shape
+    hkv = k_new.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
+    g = hq // hkv
+    kf, vf = keys.fmt, values.fmt
+    n_sink = _len(keys.sink)
+    held = n_sink + keys.n_packed + _len(keys.residual)
+    n_new = k_new.shape[2] if exact_new else 0
+    stop = held - n_new
+    n_body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
+    device = query.device
+    fk, fv = kf.frame(device), vf.frame(device)
+    dt, prec = _compute_dtype(query)
+    pdt = torch.float32 if dt == turbo.tl.float32 else torch.float16
+    lookup = turbo.LOOKUP_REGISTERS if pdt == torch.float16 and TUNING["turbo_lookup"] == "registers" else \
+        turbo.LOOKUP_LOAD
+
+    # the query and the exact tokens (sinks, residual tokens before `stop`, this step's) in the frames
+    qf = (query.float().reshape(b, hkv, g * tq, d) @ fk).reshape(b, hq, tq, d)
+    n_res = max(stop - n_sink - n_body, 0)
+    res_k = keys.residual[:, :, :n_res] if keys.residual is not None else None
+    res_v = values.residual[:, :, :n_res] if values.residual is not None else None
+    ek = _frame_cat([keys.sink, res_k, k_new if exact_new else None], fk, query.dtype)
+    ev = _frame_cat([values.sink, res_v, v_new if exact_new else None], fv, query.dtype)
+    n_exact = 0 if ek is None else ek.shape[2]
+    if ek is None:
+        ek = ev = k_new
+
+    block_n = TUNING["turbo_block_n"]
+    block_m = 16 if tq * g <= 16 else (32 if tq * g <= 32 else 64)
+    m_tiles = turbo.triton.cdiv(tq * g, block_m)
+    n_tiles = turbo.triton.cdiv(n_body, block_n)
+    n_splits, tiles_per_split = _split_k(query, n_tiles, b * hkv * m_tiles)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=True)
+
+    def stream_args(st: StreamTensors) -> tuple[list, list]:
+        """Per part (two; a single part repeats): codes + strides, norm + strides, codebook; and each part's meta."""
+        args, meta = [], []
+        for part in st.fmt.parts + st.fmt.parts[-1:] * (2 - len(st.fmt.parts)):
+            table, asm = _codebook_table(part, device, pdt)
+            if n_body:
+                codes, norm = st.fields[part.codes], st.fields[part.norm]
+                if codes.stride(3) != 1:
+                    raise ValueError("codebook codes must be contiguous along the channels")
+                args += [codes, *codes.stride()[:3], norm, *norm.stride()[:3], table]
+            else:
+                args += [k_new, 0, 0, part.width * part.bits // 8, k_new, 0, 0, 1, table]
+            meta.append((part.width, part.bits, asm))
+        return args, meta
+
+    k_args, k_meta = stream_args(keys)
+    v_args, v_meta = stream_args(values)
+    q = qf.contiguous()
+    args = [
+        q, q.stride(0), q.stride(1), q.stride(2), *k_args, *v_args,
+        ek, ek.stride(0), ek.stride(1), ek.stride(2), ev, ev.stride(0), ev.stride(1), ev.stride(2),
+        *_mask_args(attention_mask, k_new), part_acc, part_m, part_l,
+        hkv, tq, n_sink, n_body, n_exact, n_tiles, tiles_per_split, n_splits, m_tiles, stop + n_new,
+        float(scaling), float(softcap or 0.0),
+    ]
+    meta = dict(
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=turbo.tl.float16 if pdt == torch.float16 else dt,
+        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
+        CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1, LOOKUP=lookup,
+        K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
+        V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
+        K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2],
+    )
+    if n_splits:
+        turbo._turbo_attn[(b * hkv, n_splits, m_tiles)](
+            *args, **meta, BODY=True, num_warps=TUNING["turbo_num_warps"], num_stages=TUNING["turbo_num_stages"])
+    turbo._turbo_attn[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
+    out = torch.empty((b, tq, hq, d), device=device, dtype=torch.float32)
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
+    # o' F_v^T per (batch row, kv-head): rows (t, g) of one kv-head together
+    o = out.view(b, tq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d) @ fv.transpose(-1, -2)
+    return o.view(b, hkv, tq, g, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hq, d).to(query.dtype)
 
 
 # ------------------------------------------------------------------------------------------ quantize/pack

@@ -11,7 +11,9 @@ arXiv 2504.19874).
   following one known law, density proportional to `(1 - t^2)^((D - 3) / 2)` on [-1, 1] (close to N(0, 1/D)).
   `lloyd_max_codebook(D, b)` computes the b-bit Lloyd-Max quantizer of that law in float64 on a fine grid, once per
   (D, b): no data, no calibration file.
-- Codes: each coordinate of u is coded to its nearest centroid; one fp16 length per vector is kept, either the
+- Codes: each coordinate of u is coded to its nearest centroid (codes in sign-magnitude order, `signed_order`;
+  3-bit codes stored as a 2-bit plane then a 1-bit plane, `pack_codes`: the layouts the fused kernel reads, see
+  `hf_kvcache.kernels.layout.CodebookFormat`); one fp16 length per vector is kept, either the
   norm `|y|` (the paper, `scale="norm"`) or the least-squares length of the coded direction `<y, c> / |c|^2`
   (`scale="lsq"`, the default: the same bytes, a smaller error). The decoded vector is that length times
   `c[codes]`, rotated back.
@@ -25,8 +27,12 @@ arXiv 2504.19874).
   unbiased estimate.
 
 Bytes per token and kv-head: `D * b / 8` of codes and 2 of length, 4 with a split (`key_qjl`: `D / 8` of signs
-and 2 of residual norm more, the codebook one bit narrower). The
-attention reads it through the PyTorch reference on every device (no fused kernel yet).
+and 2 of residual norm more, the codebook one bit narrower).
+
+The fused attention (`hf_kvcache.kernels.turbo`) reads the codes where they lie: the codec's rotation (and the split's
+channel order) is the format's `frame` F, orthogonal, so `q . k = (q F) . (k F)`; the kernel gets the query rotated
+once per step, scores against `length * codebook[code]` part by part, and its output is rotated back by F^T. QJL keys
+have no kernel (the reference path reads them).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import math
 import torch
 
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
+from ..kernels.layout import CodebookFormat, CodebookPart
 from ..quant import pack_bits, unpack_bits
 from ._common import attention_shape, check_choice, check_nonnegative_int
 from .rotated import Rotation, random_orthogonal
@@ -101,6 +108,37 @@ def channel_split(head_dim: int, bits: float) -> list[tuple[int, int, int]]:
     return [(0, head_dim // 2, low + 1), (head_dim // 2, head_dim, low)]
 
 
+def signed_order(book: torch.Tensor) -> torch.Tensor:
+    """A symmetric ascending codebook `(2^b,)` in sign-magnitude order: code j < 2^(b-1) is `-m_j`, code
+    2^(b-1) + j is `+m_j`, `m` the ascending magnitudes. The fused kernel then looks a 4-bit code up in a table of 8
+    magnitudes and takes the sign from the code's top bit (`kernels.turbo`)."""
+    mag = book[book.numel() // 2:]
+    return torch.cat([-mag, mag])
+
+
+def _to_code(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Index into the ascending codebook -> code into `signed_order` (and back: the map is its own inverse)."""
+    half = 1 << (bits - 1)
+    return torch.where(idx < half, half - 1 - idx, idx)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`(..., W)` codes -> bytes: `quant.pack_bits` for 1, 2 and 4 bits; 3-bit codes as two planes, the low two
+    bits (`pack_bits(c & 3, 2)`, W / 4 bytes) then the top bit (`pack_bits(c >> 2, 1)`, W / 8 bytes): the same
+    3W / 8 bytes, but no code straddles a byte, which the kernel's 32-bit words need."""
+    if bits != 3:
+        return pack_bits(codes, bits)
+    return torch.cat([pack_bits(codes & 3, 2), pack_bits(codes >> 2, 1)], -1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: bytes `(..., W * bits / 8)` -> `(..., W)` uint8 codes."""
+    if bits != 3:
+        return unpack_bits(packed, bits)
+    w = packed.shape[-1] * 8 // 3
+    return unpack_bits(packed[..., : w // 4], 2) | (unpack_bits(packed[..., w // 4 :], 1) << 2)
+
+
 ROTATIONS = ("hadamard", "hadamard2", "dense")
 SCALES = ("norm", "lsq")  # what the per-vector fp16 scale is: the vector's norm (the paper) or the least-squares fit
 
@@ -127,12 +165,20 @@ class RandomRotation:
             rounds = 2 if kind == "hadamard2" else 1
             gen = torch.Generator().manual_seed(seed)
             self.signs = torch.randint(0, 2, (rounds, head_dim), generator=gen).float() * 2 - 1
-        self._on: dict[torch.device, torch.Tensor] = {}
+        self._on: dict = {}
 
     def _get(self, device: torch.device) -> torch.Tensor:
         if device not in self._on:
             self._on[device] = (self.matrix if self.kind == "dense" else self.signs).to(device)
         return self._on[device]
+
+    def frame(self, device: torch.device) -> torch.Tensor:
+        """The transform as a matrix `F (D, D)` float32, `apply(x) = x F` (cached per device)."""
+        key = ("frame", device)
+        if key not in self._on:
+            d = self._get(device).shape[-1]
+            self._on[key] = self.apply(torch.eye(d, device=device))
+        return self._on[key]
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         t = self._get(x.device)
@@ -163,19 +209,20 @@ class TurboCodec(Codec):
         self.head_dim, self.bits, self.qjl, self.scale = head_dim, bits, qjl, scale
         self.rotation = RandomRotation(head_dim, seed, rotation)
         self.parts = channel_split(head_dim, bits - 1 if qjl else bits)
-        self.books = [lloyd_max_codebook(head_dim, b) for _, _, b in self.parts]
+        self.books = [lloyd_max_codebook(head_dim, b) for _, _, b in self.parts]  # ascending: encode's cells
         if qjl:
             gen = torch.Generator().manual_seed(seed + (1 << 20))
             self.sketch = torch.randn(head_dim, head_dim, generator=gen)  # S: rows are the sketch's directions
         self._on: dict[torch.device, list[torch.Tensor]] = {}
 
     def _tables(self, device: torch.device) -> list[torch.Tensor]:
-        """Per part `(codebook, midpoints)` on `device`, then S when `qjl`."""
+        """Per part `(codebook in code order (signed_order), midpoints of the ascending one)` on `device`, then S
+        when `qjl`."""
         if device not in self._on:
             out = []
             for book in self.books:
                 book = book.to(device)
-                out += [book, (book[1:] + book[:-1]) / 2]
+                out += [signed_order(book), (book[1:] + book[:-1]) / 2]
             if self.qjl:
                 out.append(self.sketch.to(device))
             self._on[device] = out
@@ -194,10 +241,10 @@ class TurboCodec(Codec):
         coded = torch.empty_like(u) if self.qjl or self.scale == "lsq" else None
         for i, ((lo, hi, b), name) in enumerate(zip(self.parts, self._names(len(self.parts)))):
             book, mids = tables[2 * i], tables[2 * i + 1]
-            idx = torch.bucketize(u[..., lo:hi].contiguous(), mids)
-            fields[name] = pack_bits(idx.to(torch.uint8), b)
+            code = _to_code(torch.bucketize(u[..., lo:hi].contiguous(), mids), b)
+            fields[name] = pack_codes(code.to(torch.uint8), b)
             if coded is not None:
-                coded[..., lo:hi] = book[idx]
+                coded[..., lo:hi] = book[code]
         if self.scale == "lsq":
             # the length that fits the coded direction best: argmin_a |y - a c| = <y, c> / |c|^2
             norm = norm * (u * coded).sum(-1, keepdim=True) / (coded * coded).sum(-1, keepdim=True).clamp_min(1e-30)
@@ -213,12 +260,26 @@ class TurboCodec(Codec):
         tables = self._tables(norm.device)
         parts = []
         for i, ((lo, hi, b), name) in enumerate(zip(self.parts, self._names(len(self.parts)))):
-            parts.append(tables[2 * i][unpack_bits(fields[name], b).long()])
+            parts.append(tables[2 * i][unpack_codes(fields[name], b).long()])
         u = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         if self.qjl:
             z = unpack_bits(fields["signs"], 1).float() * 2 - 1
             u = u + fields["rnorm"].float() * (math.sqrt(math.pi / 2) / self.head_dim) * (z @ tables[-1])
         return self.rotation.apply(u * norm.float(), inverse=True).to(dtype)
+
+    def format_parts(self, prefix: str = "", start: int = 0) -> tuple[CodebookPart, ...]:
+        """The parts as the kernels read them (fields named with `prefix`, channels from `start` in the frame)."""
+        names = self._names(len(self.parts))
+        return tuple(CodebookPart(prefix + name, prefix + "norm", b, start + lo, hi - lo, signed_order(book))
+                     for (lo, hi, b), name, book in zip(self.parts, names, self.books))
+
+    def packed_format(self) -> CodebookFormat | None:
+        if self.qjl:  # the sketch's correction has no kernel: the reference reads QJL keys
+            return None
+        if not hasattr(self, "_format"):  # built once: the kernel's launcher caches its tables by codebook
+            self._format = CodebookFormat(self.format_parts(),
+                                          frame=lambda device: self.rotation.frame(device)[None, None])
+        return self._format
 
 
 class SplitTurboCodec(Codec):
@@ -267,6 +328,31 @@ class SplitTurboCodec(Codec):
         xs = torch.cat(parts, -1)
         perm = self.state["perm"].to(xs.device).long()[:, :, None, :].expand(-1, -1, xs.shape[2], -1)
         return torch.empty_like(xs).scatter_(-1, perm, xs).to(dtype)
+
+    def frame(self, device: torch.device) -> torch.Tensor:
+        """`F (B, H, D, D)` float32 with stored vectors `x F`: the channel order (`perm`), then each half's rotation,
+        `F[perm_j] = blockdiag(F_hi, F_lo)[j]`; the identity order while nothing is observed yet."""
+        hi, lo = (codec.rotation.frame(device) for codec in self.halves.values())
+        block = torch.block_diag(hi, lo)
+        perm = self.state.get("perm")
+        if perm is None:
+            return block[None, None]
+        cached = getattr(self, "_frame", None)  # (the perm it was built from, its device, F): built once a sequence
+        if cached is None or cached[0] is not perm or cached[1] != device:
+            index = perm.to(device).long()
+            b, h, d = index.shape
+            out = torch.empty(b, h, d, d, device=device)
+            out.scatter_(2, index[..., None].expand(-1, -1, -1, d), block.expand(b, h, d, d).contiguous())
+            self._frame = cached = (perm, device, out)
+        return cached[2]
+
+    def packed_format(self) -> CodebookFormat | None:
+        if any(codec.qjl for codec in self.halves.values()):
+            return None
+        if not hasattr(self, "_format"):
+            parts = self.halves["hi_"].format_parts("hi_") + self.halves["lo_"].format_parts("lo_", self.high)
+            self._format = CodebookFormat(parts, frame=self.frame)
+        return self._format
 
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:

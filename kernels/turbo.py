@@ -1,0 +1,300 @@
+"""TurboQuant's layout in Triton (`layout.CodebookFormat`): decode attention straight from the codebook codes.
+
+A stored vector is `x F` (F orthogonal: the codec's rotation, and for the energy split a per-sequence channel order),
+its channels coded part by part against fixed codebooks with one length per token and part. Attention does not
+see F: `q . k = (q F) . (k F)` and `sum_t p_t v_t = (sum_t p_t v_t F) F^T`. So the launcher (`ops.turbo_attention`)
+rotates the query and this step's few exact tokens into the frame once per step, and this kernel computes, in the
+frame, with `n_{p,t}` the length and `c_p` the codebook of part p,
+
+    s_t = sum_p n_{p,t} (q'_p . c_p[code_{p,t}]),      o'_p = sum_t softmax(s)_t n_{p,t} c_p[code_{p,t}]
+
+the lengths applied to the scores and to the softmax weights, outside the products, which take the bare centroids;
+the launcher rotates o' back with F^T. Work split as in `decode.py`: split-K body programs over tiles of packed
+tokens (a last partial tile masked), one tail program over the exact tokens (sinks, residual, new tokens), the same
+combine kernel.
+
+Codebook lookup (`LOOKUP`):
+- 2, in registers (fp16 products, not the interpreter): inline PTX on 32-bit words of codes. `prmt` picks bytes out
+  of 8 held in two registers by 3-bit selectors, four at a time, so the low and the high bytes of the fp16 centroids
+  are two tables of immediates: a 2- or 3-bit codebook whole, a 4-bit one's 8 magnitudes, its sign from the code's
+  top bit (sign-magnitude order). About 1.5 (2 bits) to 2.5 (4 bits) instructions a code.
+- 1, a load of `codebook[code]` per code (the table stays in L1): fp32 models and the interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode import _dot, _finish_scores, _mask_scores, _softmax_step, _unpack
+
+LOOKUP_LOAD = 1
+LOOKUP_REGISTERS = 2
+
+
+@triton.jit
+def _tree8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """Eight (N, M) tensors -> (N, M, 2, 2, 2) whose reshape to (N, 8M) runs a0..a7 for each of the M columns."""
+    return tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
+
+
+@triton.jit
+def _words(C, tok, ok, s_t, OFF: tl.constexpr, NW: tl.constexpr, WIDE: tl.constexpr):
+    """NW words per row from byte OFF of the rows of tokens `tok (N,)`: int32 words (WIDE) or int16 halves, as int32."""
+    if WIDE:
+        ptr = (C + OFF).to(tl.pointer_type(tl.int32))
+        w = tl.load(ptr + (tok * (s_t // 4))[:, None] + tl.arange(0, NW)[None, :], mask=ok[:, None], other=0)
+    else:
+        ptr = (C + OFF).to(tl.pointer_type(tl.int16))
+        w = tl.load(ptr + (tok * (s_t // 2))[:, None] + tl.arange(0, NW)[None, :], mask=ok[:, None], other=0)
+        w = w.to(tl.int32) & 0xFFFF
+    return w
+
+
+@triton.jit
+def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
+               LOOKUP: tl.constexpr, ASM: tl.constexpr, PDT: tl.constexpr):
+    """codebook[code] of the W channels of one part for tokens `tok (BLOCK_N,)`: (BLOCK_N, W) in PDT (0 where not ok)."""
+    if LOOKUP == 2:
+        if BITS == 4:  # a word: 8 channels
+            w = _words(C, tok, ok, s_t, 0, W // 8, True)
+            o = tl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                       tl.float16), is_pure=True, pack=1)
+            x = tl.reshape(_tree8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]), (BLOCK_N, W))
+        else:  # a word of the 2-bit plane (and the 16 top bits of its channels): 16 channels
+            w = _words(C, tok, ok, s_t, 0, W // 16, True)
+            if BITS == 3:
+                top = _words(C, tok, ok, s_t, W // 4, W // 16, False)
+            else:
+                top = w
+            o = tl.inline_asm_elementwise(
+                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, top],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                       tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                       tl.float16, tl.float16), is_pure=True, pack=1)
+            x = tl.reshape(tl.join(_tree8(o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14]),
+                                   _tree8(o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15])), (BLOCK_N, W))
+    else:
+        ch = tl.arange(0, W)[None, :]
+        row = (tok * s_t)[:, None]
+        if BITS == 3:
+            code = _unpack(C, row, ch, ok[:, None], 2) | (_unpack(C + W // 4, row, ch, ok[:, None], 1) << 2)
+        else:
+            code = _unpack(C, row, ch, ok[:, None], BITS)
+        x = tl.load(CB + code).to(PDT)
+    return x
+
+
+@triton.jit
+def _norms(N_, tok, ok, sn_t):
+    return tl.load(N_ + tok * sn_t, mask=ok, other=0.0).to(tl.float32)
+
+
+_VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "n_exact", "n_tiles", "tiles_per_split", "n_splits",
+            "m_tiles", "s_total")
+
+
+@triton.jit(do_not_specialize=_VARYING)
+def _turbo_attn(
+    Q, sq_b, sq_h, sq_t,
+    KCA, skca_b, skca_h, skca_t, KNA, skna_b, skna_h, skna_t, KBA,
+    KCB, skcb_b, skcb_h, skcb_t, KNB, sknb_b, sknb_h, sknb_t, KBB,
+    VCA, svca_b, svca_h, svca_t, VNA, svna_b, svna_h, svna_t, VBA,
+    VCB, svcb_b, svcb_h, svcb_t, VNB, svnb_b, svnb_h, svnb_t, VBB,
+    EK, sek_b, sek_h, sek_t, EV, sev_b, sev_h, sev_t,
+    MASK, sm_b, sm_t, sm_s,
+    ACC, M_OUT, L_OUT,
+    Hkv, Tq, n_sink, n_body, n_exact, n_tiles, tiles_per_split, n_splits, m_tiles, s_total,
+    sm_scale, softcap,
+    D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+    PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, CAUSAL_BODY: tl.constexpr, BODY: tl.constexpr, LOOKUP: tl.constexpr,
+    K_TWO: tl.constexpr, K_WA: tl.constexpr, K_BA: tl.constexpr, K_BB: tl.constexpr,
+    V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
+    K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
+):
+    """Partial softmax results of one (batch row x kv-head, split, tile of query rows): `Q` the query in the frame
+    (B, Hq, Tq, D) float32; per stream up to two parts (A: channels 0..WA, B: WA..D), codes + lengths + codebook;
+    `EK`/`EV (B, Hkv, n_exact, D)` the exact tokens in the frame (sinks first, then the rest after the packed body)."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = (pid_bh % Hkv).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Tq * G
+    t = rows // G
+    qoff = b * sq_b + (h * G + rows % G) * sq_h + t * sq_t
+    n = tl.arange(0, BLOCK_N)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    split = pid_s if BODY else n_splits
+    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + split
+    if BODY:
+        K_WB: tl.constexpr = D - K_WA if K_TWO else K_WA  # (a single part: B is never read)
+        V_WB: tl.constexpr = D - V_WA if V_TWO else V_WA
+        qa = tl.load(Q + qoff[:, None] + tl.arange(0, K_WA)[None, :], mask=row_ok[:, None], other=0.0)
+        q_pow2 = 1.0
+        if PDT == tl.float16:  # a power of two that keeps the query inside fp16's range (1 unless |q| >= 2^15)
+            q_max = tl.max(tl.max(tl.abs(qa), 1), 0)
+            if K_TWO:
+                qb = tl.load(Q + qoff[:, None] + K_WA + tl.arange(0, K_WB)[None, :], mask=row_ok[:, None], other=0.0)
+                q_max = tl.maximum(q_max, tl.max(tl.max(tl.abs(qb), 1), 0))
+            q_pow2 = tl.exp2(-tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1e-30) * (1.0 / 32768.0))), 0.0))
+        qa = (qa * q_pow2).to(PDT)
+        qb = qa
+        if K_TWO:
+            qb = tl.load(Q + qoff[:, None] + K_WA + tl.arange(0, K_WB)[None, :], mask=row_ok[:, None], other=0.0)
+            qb = (qb * q_pow2).to(PDT)
+        kca = KCA + b * skca_b + h * skca_h
+        kna = KNA + b * skna_b + h * skna_h
+        kcb = KCB + b * skcb_b + h * skcb_h
+        knb = KNB + b * sknb_b + h * sknb_h
+        vca = VCA + b * svca_b + h * svca_h
+        vna = VNA + b * svna_b + h * svna_h
+        vcb = VCB + b * svcb_b + h * svcb_h
+        vnb = VNB + b * svnb_b + h * svnb_h
+        acc_a = tl.zeros((BLOCK_M, V_WA), tl.float32)
+        acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
+        lo = pid_s * tiles_per_split
+        hi = tl.minimum(lo + tiles_per_split, n_tiles)
+        for tile in range(lo, hi):
+            tok = tile * BLOCK_N + n
+            ok = tok < n_body
+            # ---- scores: per part, the bare centroids' products times the part's lengths
+            # (one factor a token: its length, the query's power of two, the softmax scale and log2(e) at once)
+            if HAS_SOFTCAP:
+                unit = 1.0 / q_pow2
+            else:
+                unit = sm_scale * 1.4426950408889634 / q_pow2
+            kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
+            s = _dot(qa, tl.trans(kt), PREC) * (_norms(kna, tok, ok, skna_t) * unit)[None, :]
+            if K_TWO:
+                kt = _centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT)
+                s += _dot(qb, tl.trans(kt), PREC) * (_norms(knb, tok, ok, sknb_t) * unit)[None, :]
+            if HAS_SOFTCAP:
+                s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
+            kpos = n_sink + tok
+            s = tl.where(ok[None, :], s, float("-inf"))
+            if HAS_MASK and MASK_ROW:
+                allowed = tl.load(MASK + b * sm_b + kpos * sm_s, mask=ok, other=0)
+                s = tl.where(allowed[None, :] != 0, s, float("-inf"))
+            elif HAS_MASK:
+                allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,
+                                  mask=row_ok[:, None] & ok[None, :], other=0)
+                s = tl.where(allowed != 0, s, float("-inf"))
+            elif CAUSAL_BODY:
+                s = tl.where(kpos[None, :] <= (s_total - Tq + t)[:, None], s, float("-inf"))
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            # ---- values: the weights times each part's lengths, then the bare centroids
+            # (p <= 1 and an fp16 length: p * length stays inside fp16's range)
+            vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
+            pw = p * _norms(vna, tok, ok, svna_t)[None, :]
+            acc_a = acc_a * alpha[:, None] + _dot(pw.to(PDT), vt, PREC)
+            if V_TWO:
+                vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT)
+                pw = p * _norms(vnb, tok, ok, svnb_t)[None, :]
+                acc_b = acc_b * alpha[:, None] + _dot(pw.to(PDT), vt, PREC)
+        ptr = ACC + part[:, None] * D
+        tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
+        if V_TWO:
+            tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
+    else:
+        # ---- tail: the exact tokens, in the model dtype like `decode.py`'s
+        d = tl.arange(0, D)
+        qd = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        ek = EK + b * sek_b + h * sek_h
+        ev = EV + b * sev_b + h * sev_h
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        for i in range(0, tl.cdiv(n_exact, BLOCK_N)):
+            e = i * BLOCK_N + n
+            ok = e < n_exact
+            kpos = tl.where(e < n_sink, e, e + n_body)
+            kt = tl.load(ek + e[:, None] * sek_t + d[None, :], mask=ok[:, None], other=0.0).to(DT)
+            s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
+            s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
+            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            vt = tl.load(ev + e[:, None] * sev_t + d[None, :], mask=ok[:, None], other=0.0).to(DT)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+        tl.store(ACC + part[:, None] * D + d[None, :], acc)
+    tl.store(M_OUT + part, m_i)
+    tl.store(L_OUT + part, l_i)
+
+
+@triton.jit
+def _lookup_probe(C, OUT, CB, s_t, W: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, N: tl.constexpr):
+    """The register lookup alone (tests): `OUT (N, W) fp16` = codebook[code] of N rows of one part's codes."""
+    tok = tl.arange(0, N)
+    x = _centroids(C, CB, tok, tok < N, s_t, N, W, BITS, 2, ASM, tl.float16)
+    tl.store(OUT + tok[:, None] * W + tl.arange(0, W)[None, :], x)
+
+
+# --------------------------------------------------------------------------- the lookup's PTX, built per codebook
+
+def _table_words(halves: list[int]) -> tuple[int, int, int, int]:
+    """fp16 bit patterns of up to 8 entries -> (low bytes of 0-3, of 4-7, high bytes of 0-3, of 4-7) as words."""
+    halves = list(halves) + [0] * (8 - len(halves))
+
+    def word(bs):
+        return sum(v << (8 * i) for i, v in enumerate(bs))
+
+    lo = [v & 0xFF for v in halves]
+    hi = [v >> 8 for v in halves]
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def lookup_asm(bits: int, halves: list[int]) -> str:
+    """The PTX of `_centroids`' register lookup for one codebook: `halves`, its 2^bits entries in code order as fp16
+    bit patterns. 4 bits: input one word of 8 codes, outputs the 8 fp16 centroids; 2 and 3 bits: inputs one word of
+    the 2-bit plane (16 channels) and, for 3 bits, those channels' 16 top bits; outputs 16 centroids."""
+    if bits == 4:
+        mags = halves[8:]
+        if any(v >> 15 for v in mags):
+            raise ValueError("a 4-bit codebook read in registers must be in sign-magnitude order")
+        lo0, lo1, hi0, hi1 = _table_words(mags)
+        lines = [
+            "{", ".reg .b32 r_m, r_mh, r_l0, r_h0, r_l1, r_h1, r_w4, r_p, r_g, r_tl0, r_tl1, r_th0, r_th1, r_sgn;",
+            f"mov.b32 r_tl0, {lo0:#x}; mov.b32 r_tl1, {lo1:#x}; mov.b32 r_th0, {hi0:#x}; mov.b32 r_th1, {hi1:#x};",
+            "mov.b32 r_sgn, 0x80008000;",
+            "and.b32 r_m, $8, 0x77777777; shr.b32 r_mh, r_m, 16;",  # magnitudes: selectors of channels 0-3, 4-7
+            "prmt.b32 r_l0, r_tl0, r_tl1, r_m; prmt.b32 r_h0, r_th0, r_th1, r_m;",
+            "prmt.b32 r_l1, r_tl0, r_tl1, r_mh; prmt.b32 r_h1, r_th0, r_th1, r_mh;",
+            "shl.b32 r_w4, $8, 4;",
+        ]
+        # pairs (0,1), (2,3) from l0/h0 and (4,5), (6,7) from l1/h1; the signs (bit 3 of each code, 1 = positive)
+        # moved onto bits 15 and 31 by a byte permutation of the word and of the word shifted by 4, flipped where 0
+        for k, (pair, sign) in enumerate([("0x5140", "0x4000"), ("0x7362", "0x5010"), ("0x5140", "0x6020"),
+                                           ("0x7362", "0x7030")]):
+            src = "r_l0, r_h0" if k < 2 else "r_l1, r_h1"
+            lines += [f"prmt.b32 r_p, {src}, {pair}; prmt.b32 r_g, r_w4, $8, {sign};",
+                      "lop3.b32 r_p, r_p, r_g, r_sgn, 0xD2;", f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, r_p;"]
+        return "\n".join(lines + ["}"])
+    lo0, lo1, hi0, hi1 = _table_words(halves)
+    if bits == 2:
+        lo1, hi1 = lo0, hi0
+    lines = [
+        "{", ".reg .b32 r_a, r_b, r_x, r_y, r_s, r_l, r_h, r_p, r_tl0, r_tl1, r_th0, r_th1, r_m4, r_m40, r_0;",
+        f"mov.b32 r_tl0, {lo0:#x}; mov.b32 r_tl1, {lo1:#x}; mov.b32 r_th0, {hi0:#x}; mov.b32 r_th1, {hi1:#x};",
+        # the word's 2-bit codes: a holds channels 4k (low nibble of byte k) and 4k + 2, b channels 4k + 1, 4k + 3
+        "and.b32 r_a, $16, 0x33333333; shr.b32 r_b, $16, 2; and.b32 r_b, r_b, 0x33333333;",
+    ]
+    if bits == 3:
+        # the top bits of channels 4k..4k+3 into byte k (x), then onto bit 2 of each selector nibble
+        lines += [
+            "mov.b32 r_m4, 0x04040404; mov.b32 r_m40, 0x40404040; mov.b32 r_0, 0;",
+            "prmt.b32 r_x, $17, r_0, 0x4140; shl.b32 r_y, r_x, 4; or.b32 r_x, r_x, r_y; and.b32 r_x, r_x, 0x0F0F0F0F;",
+            "shl.b32 r_y, r_x, 2; lop3.b32 r_a, r_y, r_m4, r_a, 0xEA;",
+            "shl.b32 r_y, r_x, 4; lop3.b32 r_a, r_y, r_m40, r_a, 0xEA;",
+            "shl.b32 r_y, r_x, 1; lop3.b32 r_b, r_y, r_m4, r_b, 0xEA;",
+            "shl.b32 r_y, r_x, 3; lop3.b32 r_b, r_y, r_m40, r_b, 0xEA;",
+        ]
+    # selectors: a (channels 0,2,4,6), a >> 16 (8,10,12,14), b (1,3,5,7), b >> 16 (9,11,13,15)
+    for src, shift, chans in (("r_a", 0, (0, 2, 4, 6)), ("r_a", 16, (8, 10, 12, 14)), ("r_b", 0, (1, 3, 5, 7)),
+                              ("r_b", 16, (9, 11, 13, 15))):
+        lines += [f"shr.b32 r_s, {src}, {shift};",
+                  "prmt.b32 r_l, r_tl0, r_tl1, r_s; prmt.b32 r_h, r_th0, r_th1, r_s;",
+                  f"prmt.b32 r_p, r_l, r_h, 0x5140; mov.b32 {{${chans[0]}, ${chans[1]}}}, r_p;",
+                  f"prmt.b32 r_p, r_l, r_h, 0x7362; mov.b32 {{${chans[2]}, ${chans[3]}}}, r_p;"]
+    return "\n".join(lines + ["}"])

@@ -1,0 +1,92 @@
+"""TurboQuant's kernel (`kernels/turbo.py`) against the reference attention over the same stored codes, every part
+layout (one width, two widths under one length, the energy split's two halves with a per-sequence frame), sinks and a
+residual window, a chunk with a padding mask, the paper protocol; on CUDA also the register lookup of bf16 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcache import kernels
+from hf_kvcache.kernels import ops
+from hf_kvcache.methods.turboquant import lloyd_max_codebook, pack_codes, signed_order, unpack_codes
+from tests.kernels.test_decode import DEVICE, _compare, _filled_layer
+
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not kernels.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+
+# the presets' layouts: 4 / 4, 4 / 3 (the 3-bit planes), 3.5 / 2.5 split in halves (4+3 and 3+2 bits, two lengths and
+# a frame per sequence and head), 3.5 in two widths under one length (split=0), with sinks and a residual window
+CASES = [
+    ("turboquant-4", {}),
+    ("turboquant-3.5", {"sink_tokens": 3, "residual_length": 5}),
+    ("turboquant-3", {}),
+    ("turboquant-2.5", {"sink_tokens": 2, "residual_length": 7, "rotation": "hadamard"}),
+    ("turboquant-3.5", {"key_bits": 3.5, "value_bits": 2.5, "split": 0}),
+]
+IDS = ["4", "3.5-sink-residual", "3-split", "2.5-hadamard", "split0"]
+
+
+@pytest.mark.parametrize("spec,kwargs", CASES, ids=IDS)
+def test_decode_step_matches_reference(spec, kwargs):
+    _compare(spec, kwargs, steps=(70, 1))
+
+
+def test_chunk_of_queries_with_padding_mask():
+    steps = (100, 9)
+    s = sum(steps)
+    mask = torch.ones(2, 1, 9, s, dtype=torch.bool).tril(diagonal=s - 9)
+    mask[0, :, :, :13] = False
+    _compare("turboquant-3", {"sink_tokens": 1}, steps=steps, mask=mask)
+
+
+def test_paper_protocol_chunk_without_a_mask_stays_causal():
+    _compare("turboquant-4", {}, steps=(150, 100), quantize_before=True)
+
+
+def test_qjl_keys_and_the_static_form_go_to_the_reference():
+    cache, (kh, vh) = _filled_layer("turboquant-3", {"key_qjl": True, "scale": "norm"}, batch=1, heads=4, kv_heads=2,
+                                    head_dim=64, steps=(20, 1), dtype=torch.float32)
+    assert kh.layer.key_stream.kernel_view() is None
+    keys = vh.layer.value_stream.kernel_view()
+    q = torch.zeros(1, 4, 1, 64, device=DEVICE)
+    assert ops.supports(keys, keys, q) is None
+    assert "static" in ops.supports(keys, keys, q, static=True)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_code_layouts_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (3, 64 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the register lookup is PTX: fp16 products on the GPU")
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_register_lookup_is_the_codebook(bits):
+    """Every code of a random row decodes through the PTX to the fp16 centroid, exactly."""
+    from hf_kvcache.kernels import turbo
+
+    book = signed_order(lloyd_max_codebook(32, bits))
+    codes = torch.randint(0, 2**bits, (64, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_codes(codes, bits).cuda()
+    out = torch.empty(64, 32, device="cuda", dtype=torch.float16)
+    table, asm = ops._codebook_table(_Part(bits, book), torch.device("cuda"), torch.float16)
+    turbo._lookup_probe[(1,)](packed, out, table, packed.stride(0), W=32, BITS=bits, ASM=asm, N=64)
+    assert torch.equal(out.cpu(), book[codes.long()].half())
+
+
+class _Part:
+    def __init__(self, bits, book):
+        self.bits, self.codebook = bits, book
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="fp16 products are the GPU path of bf16 models (the interpreter: fp32)")
+@pytest.mark.parametrize("lookup", ["registers", "load"])
+@pytest.mark.parametrize("q_scale", [1.0, 4e4], ids=["q", "q-past-fp16-range"])
+@pytest.mark.parametrize("spec,kwargs", CASES[:4], ids=IDS[:4])
+def test_bfloat16_model(spec, kwargs, q_scale, lookup, monkeypatch):
+    monkeypatch.setitem(ops.TUNING, "turbo_lookup", lookup)
+    _compare(spec, kwargs, heads=8, kv_heads=2, steps=(300, 1), dtype=torch.bfloat16, q_scale=q_scale)
