@@ -38,6 +38,10 @@ TUNING = {
     "turbo_block_n": int(os.environ.get("HF_KVCACHE_TURBO_BLOCK_N", "128")),
     "turbo_num_warps": int(os.environ.get("HF_KVCACHE_TURBO_NUM_WARPS", "4")),
     "turbo_num_stages": int(os.environ.get("HF_KVCACHE_TURBO_NUM_STAGES", "2")),
+    "turbo_prefetch": os.environ.get("HF_KVCACHE_TURBO_PREFETCH", "1") == "1",  # lengths loaded a tile ahead
+    # a register cap for its body programs (0: none): 4 warps at 128 registers keep 4 programs on a multiprocessor;
+    # local compiles of small edits went to 134-168, and the cap measured 678 -> 670 us at batch 16 (BENCHMARKS.md)
+    "turbo_maxnreg": int(os.environ.get("HF_KVCACHE_TURBO_MAXNREG", "128")),
 }
 
 
@@ -546,13 +550,20 @@ def nuq_attention(
     return out
 
 
-def _frame_cat(parts: list[torch.Tensor | None], frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The exact tokens `(B, H, n, D)` of `parts` (None or empty skipped), in token order, rotated into the frame."""
+def _exact_tokens(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The exact tokens `(B, H, n, D)` of `parts` (None or empty skipped) in token order (no copy for one)."""
     parts = [p for p in parts if p is not None and p.shape[2]]
     if not parts:
         return None
-    x = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-    return (x.float() @ frame).to(dtype)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+
+def _frame_args(frame: torch.Tensor) -> list:
+    """A frame `(B or 1, H or 1, D, D)` float32 and its batch, head and row strides (0 where broadcast)."""
+    if frame.stride(3) != 1:
+        raise ValueError("a codebook format's frame must be contiguous along its rows")
+    return [frame, frame.stride(0) if frame.shape[0] > 1 else 0, frame.stride(1) if frame.shape[1] > 1 else 0,
+            frame.stride(2)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -594,8 +605,9 @@ def turbo_attention(
     s_aux: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` over TurboQuant's layout (`CodebookFormat`, kernel in `turbo.py`): `query (B, Hq, Tq, D)`,
-    per part `codes (B, Hkv, T, W*b/8) uint8` and `norm (B, Hkv, T, 1) fp16` -> `(B, Tq, Hq, D)`. In the frames
-    F_k, F_v `(B or 1, Hkv or 1, D, D)`: q' = q F_k, the exact tokens k F_k and v F_v, out = o' F_v^T."""
+    per part `codes (B, Hkv, T, W*b/8) uint8` and `norm (B, Hkv, T, 1) fp16` -> `(B, Tq, Hq, D)`. With the frames
+    F_k, F_v `(B or 1, Hkv or 1, D, D)`: the body reads q' = q F_k (one product here, per kv-head), the tail the
+    exact tokens as stored with q itself, and the combine takes the result out of the values' frame (o' F_v^T)."""
     from . import turbo
 
     b, hq, tq, d = query.shape
@@ -610,22 +622,22 @@ def turbo_attention(
     stop = held - n_new
     n_body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     device = query.device
-    fk, fv = kf.frame(device), vf.frame(device)
     dt, prec = _compute_dtype(query)
     pdt = torch.float32 if dt == turbo.tl.float32 else torch.float16
     lookup = turbo.LOOKUP_REGISTERS if pdt == torch.float16 and TUNING["turbo_lookup"] == "registers" else \
         turbo.LOOKUP_LOAD
 
-    # the query and the exact tokens (sinks, residual tokens before `stop`, this step's) in the frames
-    qf = (query.float().reshape(b, hkv, g * tq, d) @ fk).reshape(b, hq, tq, d)
+    # the exact tokens: sinks, residual tokens before `stop`, this step's
     n_res = max(stop - n_sink - n_body, 0)
     res_k = keys.residual[:, :, :n_res] if keys.residual is not None else None
     res_v = values.residual[:, :, :n_res] if values.residual is not None else None
-    ek = _frame_cat([keys.sink, res_k, k_new if exact_new else None], fk, query.dtype)
-    ev = _frame_cat([values.sink, res_v, v_new if exact_new else None], fv, query.dtype)
+    ek = _exact_tokens([keys.sink, res_k, k_new if exact_new else None])
+    ev = _exact_tokens([values.sink, res_v, v_new if exact_new else None])
     n_exact = 0 if ek is None else ek.shape[2]
     if ek is None:
         ek = ev = k_new
+    if ek.stride(3) != 1 or ev.stride(3) != 1:
+        raise ValueError("the innermost axis of a cache place must be contiguous")
 
     block_n = TUNING["turbo_block_n"]
     block_m = 16 if tq * g <= 16 else (32 if tq * g <= 32 else 64)
@@ -651,31 +663,42 @@ def turbo_attention(
 
     k_args, k_meta = stream_args(keys)
     v_args, v_meta = stream_args(values)
-    q = qf.contiguous()
+    fv_args = _frame_args(vf.frame(device))
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    qf = (query.float().reshape(b, hkv, g * tq, d) @ kf.frame(device)).view(b, hq, tq, d)  # (grouped by kv-head)
     args = [
-        q, q.stride(0), q.stride(1), q.stride(2), *k_args, *v_args,
+        qf, qf.stride(0), qf.stride(1), qf.stride(2), query, query.stride(0), query.stride(1), query.stride(2),
+        *k_args, *v_args,
         ek, ek.stride(0), ek.stride(1), ek.stride(2), ev, ev.stride(0), ev.stride(1), ev.stride(2),
         *_mask_args(attention_mask, k_new), part_acc, part_m, part_l,
         hkv, tq, n_sink, n_body, n_exact, n_tiles, tiles_per_split, n_splits, m_tiles, stop + n_new,
         float(scaling), float(softcap or 0.0),
     ]
     meta = dict(
-        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=turbo.tl.float16 if pdt == torch.float16 else dt,
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_N=16, DT=dt,
+        PDT=turbo.tl.float16 if pdt == torch.float16 else dt,
         PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
         CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1, LOOKUP=lookup,
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2],
+        PREFETCH=TUNING["turbo_prefetch"],
     )
     if n_splits:
+        cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}
         turbo._turbo_attn[(b * hkv, n_splits, m_tiles)](
-            *args, **meta, BODY=True, num_warps=TUNING["turbo_num_warps"], num_stages=TUNING["turbo_num_stages"])
+            *args, **meta, BODY=True, num_warps=TUNING["turbo_num_warps"], num_stages=TUNING["turbo_num_stages"],
+            **cap)
     turbo._turbo_attn[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
-    out = torch.empty((b, tq, hq, d), device=device, dtype=torch.float32)
-    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
-    # o' F_v^T per (batch row, kv-head): rows (t, g) of one kv-head together
-    o = out.view(b, tq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d) @ fv.transpose(-1, -2)
-    return o.view(b, hkv, tq, g, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hq, d).to(query.dtype)
+    out = torch.empty((b, tq, hq, d), device=device, dtype=query.dtype)
+    n_parts = n_splits + 1
+    turbo._combine_back[(b * hkv * tq * g,)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
+        s_aux if s_aux is not None else part_m, *fv_args, hkv, tq, n_parts, m_tiles * block_m,
+        G=g, D=d, NP=turbo.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None, num_warps=4,
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------------------ quantize/pack

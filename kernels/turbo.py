@@ -3,15 +3,16 @@
 A stored vector is `x F` (F orthogonal: the codec's rotation, and for the energy split a per-sequence channel order),
 its channels coded part by part against fixed codebooks with one length per token and part. Attention does not
 see F: `q . k = (q F) . (k F)` and `sum_t p_t v_t = (sum_t p_t v_t F) F^T`. So the launcher (`ops.turbo_attention`)
-rotates the query and this step's few exact tokens into the frame once per step, and this kernel computes, in the
-frame, with `n_{p,t}` the length and `c_p` the codebook of part p,
+rotates the query into the keys' frame once per step, and the body programs compute, in the frame, with `n_{p,t}`
+the length and `c_p` the codebook of part p,
 
     s_t = sum_p n_{p,t} (q'_p . c_p[code_{p,t}]),      o'_p = sum_t softmax(s)_t n_{p,t} c_p[code_{p,t}]
 
-the lengths applied to the scores and to the softmax weights, outside the products, which take the bare centroids;
-the launcher rotates o' back with F^T. Work split as in `decode.py`: split-K body programs over tiles of packed
-tokens (a last partial tile masked), one tail program over the exact tokens (sinks, residual, new tokens), the same
-combine kernel.
+the lengths applied to the scores and to the softmax weights, outside the products, which take the bare centroids.
+Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), one
+tail program over the exact tokens (sinks, residual, new tokens) in the model's own frame, and a combine kernel
+(`_combine_back`) that rotates the body's sum back by F^T before adding the tail's. No product with F runs inside a
+program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200 (BENCHMARKS.md).
 
 Codebook lookup (`LOOKUP`):
 - 2, in registers (fp16 products, not the interpreter): inline PTX on 32-bit words of codes. `prmt` picks bytes out
@@ -98,7 +99,7 @@ _VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "n_exact", "n_tile
 
 @triton.jit(do_not_specialize=_VARYING)
 def _turbo_attn(
-    Q, sq_b, sq_h, sq_t,
+    Q, sq_b, sq_h, sq_t, QR, sqr_b, sqr_h, sqr_t,
     KCA, skca_b, skca_h, skca_t, KNA, skna_b, skna_h, skna_t, KBA,
     KCB, skcb_b, skcb_h, skcb_t, KNB, sknb_b, sknb_h, sknb_t, KBB,
     VCA, svca_b, svca_h, svca_t, VNA, svna_b, svna_h, svna_t, VBA,
@@ -108,16 +109,19 @@ def _turbo_attn(
     ACC, M_OUT, L_OUT,
     Hkv, Tq, n_sink, n_body, n_exact, n_tiles, tiles_per_split, n_splits, m_tiles, s_total,
     sm_scale, softcap,
-    D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-    PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
+    DT: tl.constexpr, PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, CAUSAL_BODY: tl.constexpr, BODY: tl.constexpr, LOOKUP: tl.constexpr,
     K_TWO: tl.constexpr, K_WA: tl.constexpr, K_BA: tl.constexpr, K_BB: tl.constexpr,
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
+    PREFETCH: tl.constexpr = True,
 ):
-    """Partial softmax results of one (batch row x kv-head, split, tile of query rows): `Q` the query in the frame
-    (B, Hq, Tq, D) float32; per stream up to two parts (A: channels 0..WA, B: WA..D), codes + lengths + codebook;
-    `EK`/`EV (B, Hkv, n_exact, D)` the exact tokens in the frame (sinks first, then the rest after the packed body)."""
+    """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
+    frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
+    query as the model gives it (the tail's); per stream up to two parts (A: channels 0..WA, B: WA..D), codes +
+    lengths + codebook; `EK`/`EV (B, Hkv, n_exact, D)` the exact tokens as stored (sinks first, then the tokens
+    after the packed body)."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -127,7 +131,7 @@ def _turbo_attn(
     row_ok = rows < Tq * G
     t = rows // G
     qoff = b * sq_b + (h * G + rows % G) * sq_h + t * sq_t
-    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     split = pid_s if BODY else n_splits
@@ -135,19 +139,25 @@ def _turbo_attn(
     if BODY:
         K_WB: tl.constexpr = D - K_WA if K_TWO else K_WA  # (a single part: B is never read)
         V_WB: tl.constexpr = D - V_WA if V_TWO else V_WA
+        # (the query comes rotated: an exact fp32 product with F here cost ~60 us a program, BENCHMARKS.md runs 5-8)
         qa = tl.load(Q + qoff[:, None] + tl.arange(0, K_WA)[None, :], mask=row_ok[:, None], other=0.0)
+        qb = qa
+        if K_TWO:
+            qb = tl.load(Q + qoff[:, None] + K_WA + tl.arange(0, K_WB)[None, :], mask=row_ok[:, None], other=0.0)
         q_pow2 = 1.0
         if PDT == tl.float16:  # a power of two that keeps the query inside fp16's range (1 unless |q| >= 2^15)
             q_max = tl.max(tl.max(tl.abs(qa), 1), 0)
             if K_TWO:
-                qb = tl.load(Q + qoff[:, None] + K_WA + tl.arange(0, K_WB)[None, :], mask=row_ok[:, None], other=0.0)
                 q_max = tl.maximum(q_max, tl.max(tl.max(tl.abs(qb), 1), 0))
             q_pow2 = tl.exp2(-tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1e-30) * (1.0 / 32768.0))), 0.0))
         qa = (qa * q_pow2).to(PDT)
-        qb = qa
-        if K_TWO:
-            qb = tl.load(Q + qoff[:, None] + K_WA + tl.arange(0, K_WB)[None, :], mask=row_ok[:, None], other=0.0)
-            qb = (qb * q_pow2).to(PDT)
+        qb = (qb * q_pow2).to(PDT)
+        # one factor a token multiplies the raw scores: its length, the query's power of two, the softmax scale
+        # and log2(e) at once (the soft cap needs the scaled score first)
+        if HAS_SOFTCAP:
+            unit = 1.0 / q_pow2
+        else:
+            unit = sm_scale * 1.4426950408889634 / q_pow2
         kca = KCA + b * skca_b + h * skca_h
         kna = KNA + b * skna_b + h * skna_h
         kcb = KCB + b * skcb_b + h * skcb_h
@@ -160,20 +170,47 @@ def _turbo_attn(
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
+        # The lengths are loaded one tile ahead, so that their latency overlaps a tile's work (Triton's pipeliner
+        # prefetches the code tiles only); an empty range loads tile 0's, masked.
+        n = tl.arange(0, BLOCK_N)
+        tok = tl.where(lo < hi, lo, 0) * BLOCK_N + n
+        ok = tok < n_body
+        nka = _norms(kna, tok, ok, skna_t)
+        nkb = nka
+        if K_TWO:
+            nkb = _norms(knb, tok, ok, sknb_t)
+        nva = _norms(vna, tok, ok, svna_t)
+        nvb = nva
+        if V_TWO:
+            nvb = _norms(vnb, tok, ok, svnb_t)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n
             ok = tok < n_body
-            # ---- scores: per part, the bare centroids' products times the part's lengths
-            # (one factor a token: its length, the query's power of two, the softmax scale and log2(e) at once)
-            if HAS_SOFTCAP:
-                unit = 1.0 / q_pow2
+            if PREFETCH:
+                ka_len, kb_len, va_len, vb_len = nka, nkb, nva, nvb
+                nxt = tl.minimum(tile + 1, hi - 1) * BLOCK_N + n
+                nok = nxt < n_body
+                nka = _norms(kna, nxt, nok, skna_t)
+                if K_TWO:
+                    nkb = _norms(knb, nxt, nok, sknb_t)
+                nva = _norms(vna, nxt, nok, svna_t)
+                if V_TWO:
+                    nvb = _norms(vnb, nxt, nok, svnb_t)
             else:
-                unit = sm_scale * 1.4426950408889634 / q_pow2
+                ka_len = _norms(kna, tok, ok, skna_t)
+                kb_len = ka_len
+                if K_TWO:
+                    kb_len = _norms(knb, tok, ok, sknb_t)
+                va_len = _norms(vna, tok, ok, svna_t)
+                vb_len = va_len
+                if V_TWO:
+                    vb_len = _norms(vnb, tok, ok, svnb_t)
+            # ---- scores: per part, the bare centroids' products times the part's lengths
             kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
-            s = _dot(qa, tl.trans(kt), PREC) * (_norms(kna, tok, ok, skna_t) * unit)[None, :]
+            s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
             if K_TWO:
                 kt = _centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT)
-                s += _dot(qb, tl.trans(kt), PREC) * (_norms(knb, tok, ok, sknb_t) * unit)[None, :]
+                s += _dot(qb, tl.trans(kt), PREC) * (kb_len * unit)[None, :]
             if HAS_SOFTCAP:
                 s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             kpos = n_sink + tok
@@ -188,28 +225,29 @@ def _turbo_attn(
             elif CAUSAL_BODY:
                 s = tl.where(kpos[None, :] <= (s_total - Tq + t)[:, None], s, float("-inf"))
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-            # ---- values: the weights times each part's lengths, then the bare centroids
-            # (p <= 1 and an fp16 length: p * length stays inside fp16's range)
+            # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
+            # range), then the bare centroids
             vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
-            pw = p * _norms(vna, tok, ok, svna_t)[None, :]
-            acc_a = acc_a * alpha[:, None] + _dot(pw.to(PDT), vt, PREC)
+            acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
             if V_TWO:
                 vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT)
-                pw = p * _norms(vnb, tok, ok, svnb_t)[None, :]
-                acc_b = acc_b * alpha[:, None] + _dot(pw.to(PDT), vt, PREC)
+                acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
         tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
         if V_TWO:
             tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
     else:
-        # ---- tail: the exact tokens, in the model dtype like `decode.py`'s
-        d = tl.arange(0, D)
-        qd = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        # ---- tail: the exact tokens as stored, in the model's frame (q . k is the same in both), in the model
+        # dtype like `decode.py`'s; its weighted sum stays in the model's frame (`_combine_back` adds it after
+        # rotating the body's)
+        n = tl.arange(0, TAIL_N)
+        qroff = b * sqr_b + (h * G + rows % G) * sqr_h + t * sqr_t
+        qd = tl.load(QR + qroff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
         ek = EK + b * sek_b + h * sek_h
         ev = EV + b * sev_b + h * sev_h
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for i in range(0, tl.cdiv(n_exact, BLOCK_N)):
-            e = i * BLOCK_N + n
+        for i in range(0, tl.cdiv(n_exact, TAIL_N)):
+            e = i * TAIL_N + n
             ok = e < n_exact
             kpos = tl.where(e < n_sink, e, e + n_body)
             kt = tl.load(ek + e[:, None] * sek_t + d[None, :], mask=ok[:, None], other=0.0).to(DT)
@@ -221,6 +259,45 @@ def _turbo_attn(
         tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
+
+
+@triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "rows_pad"))
+def _combine_back(
+    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX, FV, sfv_b, sfv_h, sfv_d,
+    Hkv, Tq, n_parts, rows_pad,
+    G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr,
+):
+    """`decode._combine` of the split-K partials, the body's (parts 0 .. n_parts - 2) taken out of the values' frame
+    (o' F_v^T), the tail's (the last part) already in the model's: out = (o'_body F_v^T + o_tail) / total."""
+    pid = tl.program_id(0)
+    rows = Tq * G
+    bh = (pid // rows).to(tl.int64)
+    r = pid % rows
+    b = bh // Hkv
+    h = bh % Hkv
+    sp = tl.arange(0, NP)
+    d = tl.arange(0, D)
+    ok = sp < n_parts
+    base = (bh * rows_pad + r) * n_parts
+    m = tl.load(M_IN + base + sp, mask=ok, other=float("-inf"))
+    lsum = tl.load(L_IN + base + sp, mask=ok, other=0.0)
+    mx = tl.max(m, 0)
+    if HAS_SAUX:
+        aux = tl.load(SAUX + h * G + r % G).to(tl.float32) * 1.4426950408889634
+        mx = tl.maximum(mx, aux)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(m - mx_safe)
+    total = tl.sum(w * lsum, 0)
+    if HAS_SAUX:
+        total += tl.exp2(aux - mx_safe)
+    acc = tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    tail = sp == n_parts - 1
+    body = tl.sum(acc * tl.where(tail, 0.0, w)[:, None], 0)
+    f = tl.load(FV + b * sfv_b + h * sfv_h + d[:, None] * sfv_d + d[None, :])  # F[c, j]
+    out = tl.sum(f * body[None, :], 1) + tl.sum(acc * tl.where(tail, w, 0.0)[:, None], 0)  # sum_j o'_j F[c, j]
+    out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
+    t = r // G
+    tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + d, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit

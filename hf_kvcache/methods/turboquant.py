@@ -332,18 +332,18 @@ class SplitTurboCodec(Codec):
     def frame(self, device: torch.device) -> torch.Tensor:
         """`F (B, H, D, D)` float32 with stored vectors `x F`: the channel order (`perm`), then each half's rotation,
         `F[perm_j] = blockdiag(F_hi, F_lo)[j]`; the identity order while nothing is observed yet."""
-        hi, lo = (codec.rotation.frame(device) for codec in self.halves.values())
-        block = torch.block_diag(hi, lo)
         perm = self.state.get("perm")
-        if perm is None:
-            return block[None, None]
         cached = getattr(self, "_frame", None)  # (the perm it was built from, its device, F): built once a sequence
         if cached is None or cached[0] is not perm or cached[1] != device:
-            index = perm.to(device).long()
-            b, h, d = index.shape
-            out = torch.empty(b, h, d, d, device=device)
-            out.scatter_(2, index[..., None].expand(-1, -1, -1, d), block.expand(b, h, d, d).contiguous())
-            self._frame = cached = (perm, device, out)
+            block = torch.block_diag(*(codec.rotation.frame(device) for codec in self.halves.values()))
+            if perm is None:
+                frame = block[None, None]
+            else:
+                index = perm.to(device).long()
+                b, h, d = index.shape
+                frame = torch.empty(b, h, d, d, device=device)
+                frame.scatter_(2, index[..., None].expand(-1, -1, -1, d), block.expand(b, h, d, d).contiguous())
+            self._frame = cached = (perm, device, frame)
         return cached[2]
 
     def packed_format(self) -> CodebookFormat | None:

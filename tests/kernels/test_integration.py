@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and not kernels.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
 )
 
-CASES = [("int4-g32", {"residual_length": 8}), ("kivi-2", {"residual_length": 32})]
+CASES = [("int4-g32", {"residual_length": 8}), ("kivi-2", {"residual_length": 32}),
+         ("turboquant-3", {})]  # TurboQuant's kernel: a per-sequence frame (the energy split), a sink
 # The interpreter runs every program in Python (~20 s a generation): GQA with full attention, and a mix of
 # sliding-window and full layers, cover the kernel's paths; the decode tests cover every format. On CUDA, all.
 MODELS = sorted(TINY_CONFIGS) if DEVICE == "cuda" else ["llama", "gemma"]
