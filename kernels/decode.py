@@ -544,11 +544,13 @@ def _attn_fwd(
 
 @triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "rows_pad"))
 def _combine(
-    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX,
+    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX, FV, sfv_b, sfv_h, sfv_d,
     Hkv, Tq, n_parts, rows_pad,
-    G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr, FRAME: tl.constexpr = False,
 ):
-    """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials."""
+    """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials. FRAME
+    (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame `FV (D, D)` per kv-head and
+    is summed, then rotated back (o' F^T: out_c = sum_j o'_j F[c, j]) before the tail's part is added."""
     pid = tl.program_id(0)
     rows = Tq * G
     bh = (pid // rows).to(tl.int64)
@@ -571,7 +573,13 @@ def _combine(
     if HAS_SAUX:
         total += tl.exp2(aux - mx_safe)
     acc = tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0)
+    if FRAME:
+        tail = sp == n_parts - 1
+        body = tl.sum(acc * tl.where(tail, 0.0, w)[:, None], 0)
+        f = tl.load(FV + b * sfv_b + h * sfv_h + d[:, None] * sfv_d + d[None, :])  # F[c, j]
+        out = tl.sum(f * body[None, :], 1) + tl.sum(acc * tl.where(tail, w, 0.0)[:, None], 0)
+    else:
+        out = tl.sum(acc * w[:, None], 0)
     out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
     t = r // G
     tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + d, out.to(OUT.dtype.element_ty))

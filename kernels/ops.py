@@ -38,7 +38,6 @@ TUNING = {
     "turbo_block_n": int(os.environ.get("HF_KVCACHE_TURBO_BLOCK_N", "128")),
     "turbo_num_warps": int(os.environ.get("HF_KVCACHE_TURBO_NUM_WARPS", "4")),
     "turbo_num_stages": int(os.environ.get("HF_KVCACHE_TURBO_NUM_STAGES", "2")),
-    "turbo_prefetch": os.environ.get("HF_KVCACHE_TURBO_PREFETCH", "1") == "1",  # lengths loaded a tile ahead
     # a register cap for its body programs (0: none): 4 warps at 128 registers keep 4 programs on a multiprocessor;
     # local compiles of small edits went to 134-168, and the cap measured 678 -> 670 us at batch 16 (BENCHMARKS.md)
     "turbo_maxnreg": int(os.environ.get("HF_KVCACHE_TURBO_MAXNREG", "128")),
@@ -437,13 +436,17 @@ def _compute_dtype(query: torch.Tensor) -> tuple:
     return (decode.tl.bfloat16 if query.dtype == torch.bfloat16 else decode.tl.float16), "tf32"
 
 
-def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_parts: int, rows_pad: int) -> None:
+def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_parts: int, rows_pad: int,
+             frame: list | None = None) -> None:
+    """The split-K partials into `out (B, Tq, Hq, D)`; `frame` (`_frame_args` of F_v, TurboQuant): every part but the
+    last (the tail's) is in the values' frame and is rotated back by F_v^T."""
     from . import decode
 
     decode._combine[(out.shape[0] * hkv * tq * g,)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-        s_aux if s_aux is not None else part_m, hkv, tq, n_parts, rows_pad,
-        G=g, D=out.shape[-1], NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None, num_warps=4,
+        s_aux if s_aux is not None else part_m, *(frame or [part_m, 0, 0, 0]), hkv, tq, n_parts, rows_pad,
+        G=g, D=out.shape[-1], NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None,
+        FRAME=frame is not None, num_warps=4,
     )
 
 
@@ -683,7 +686,6 @@ def turbo_attention(
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2],
-        PREFETCH=TUNING["turbo_prefetch"],
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}
@@ -692,12 +694,7 @@ def turbo_attention(
             **cap)
     turbo._turbo_attn[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     out = torch.empty((b, tq, hq, d), device=device, dtype=query.dtype)
-    n_parts = n_splits + 1
-    turbo._combine_back[(b * hkv * tq * g,)](
-        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-        s_aux if s_aux is not None else part_m, *fv_args, hkv, tq, n_parts, m_tiles * block_m,
-        G=g, D=d, NP=turbo.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None, num_warps=4,
-    )
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m, frame=fv_args)
     return out
 
 

@@ -10,8 +10,8 @@ the length and `c_p` the codebook of part p,
 
 the lengths applied to the scores and to the softmax weights, outside the products, which take the bare centroids.
 Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), one
-tail program over the exact tokens (sinks, residual, new tokens) in the model's own frame, and a combine kernel
-(`_combine_back`) that rotates the body's sum back by F^T before adding the tail's. No product with F runs inside a
+tail program over the exact tokens (sinks, residual, new tokens) in the model's own frame, and the combine kernel
+(`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's. No product with F runs inside a
 program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200 (BENCHMARKS.md).
 
 Codebook lookup (`LOOKUP`):
@@ -55,7 +55,8 @@ def _words(C, tok, ok, s_t, OFF: tl.constexpr, NW: tl.constexpr, WIDE: tl.conste
 @triton.jit
 def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
                LOOKUP: tl.constexpr, ASM: tl.constexpr, PDT: tl.constexpr):
-    """codebook[code] of the W channels of one part for tokens `tok (BLOCK_N,)`: (BLOCK_N, W) in PDT (0 where not ok)."""
+    """codebook[code] of the W channels of one part for tokens `tok (BLOCK_N,)`: (BLOCK_N, W) in PDT (rows not `ok`
+    read code 0: their lengths, loaded as 0, cancel them)."""
     if LOOKUP == 2:
         if BITS == 4:  # a word: 8 channels
             w = _words(C, tok, ok, s_t, 0, W // 8, True)
@@ -90,9 +91,25 @@ def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS
 
 @triton.jit
 def _norms(N_, tok, ok, sn_t):
+    """The fp16 lengths of tokens `tok (N,)` as float32, 0 where not `ok`."""
     return tl.load(N_ + tok * sn_t, mask=ok, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _lengths(kna, knb, vna, vnb, tok, ok, skna_t, sknb_t, svna_t, svnb_t, K_TWO: tl.constexpr, V_TWO: tl.constexpr):
+    """The lengths of the four parts (keys A, B, values A, B) for tokens `tok`; a single part's B repeats its A."""
+    ka = _norms(kna, tok, ok, skna_t)
+    kb = ka
+    if K_TWO:
+        kb = _norms(knb, tok, ok, sknb_t)
+    va = _norms(vna, tok, ok, svna_t)
+    vb = va
+    if V_TWO:
+        vb = _norms(vnb, tok, ok, svnb_t)
+    return ka, kb, va, vb
+
+
+# as `decode._VARYING`: integers that change from step to step are not specialized (no recompiles between tokens)
 _VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "n_exact", "n_tiles", "tiles_per_split", "n_splits",
             "m_tiles", "s_total")
 
@@ -115,7 +132,6 @@ def _turbo_attn(
     K_TWO: tl.constexpr, K_WA: tl.constexpr, K_BA: tl.constexpr, K_BB: tl.constexpr,
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -170,41 +186,19 @@ def _turbo_attn(
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
-        # The lengths are loaded one tile ahead, so that their latency overlaps a tile's work (Triton's pipeliner
-        # prefetches the code tiles only); an empty range loads tile 0's, masked.
+        # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a
+        # tile's work; an empty range loads tile 0's, masked.
         n = tl.arange(0, BLOCK_N)
-        tok = tl.where(lo < hi, lo, 0) * BLOCK_N + n
-        ok = tok < n_body
-        nka = _norms(kna, tok, ok, skna_t)
-        nkb = nka
-        if K_TWO:
-            nkb = _norms(knb, tok, ok, sknb_t)
-        nva = _norms(vna, tok, ok, svna_t)
-        nvb = nva
-        if V_TWO:
-            nvb = _norms(vnb, tok, ok, svnb_t)
+        first = tl.where(lo < hi, lo, 0) * BLOCK_N + n
+        nka, nkb, nva, nvb = _lengths(kna, knb, vna, vnb, first, first < n_body, skna_t, sknb_t, svna_t, svnb_t,
+                                      K_TWO, V_TWO)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n
             ok = tok < n_body
-            if PREFETCH:
-                ka_len, kb_len, va_len, vb_len = nka, nkb, nva, nvb
-                nxt = tl.minimum(tile + 1, hi - 1) * BLOCK_N + n
-                nok = nxt < n_body
-                nka = _norms(kna, nxt, nok, skna_t)
-                if K_TWO:
-                    nkb = _norms(knb, nxt, nok, sknb_t)
-                nva = _norms(vna, nxt, nok, svna_t)
-                if V_TWO:
-                    nvb = _norms(vnb, nxt, nok, svnb_t)
-            else:
-                ka_len = _norms(kna, tok, ok, skna_t)
-                kb_len = ka_len
-                if K_TWO:
-                    kb_len = _norms(knb, tok, ok, sknb_t)
-                va_len = _norms(vna, tok, ok, svna_t)
-                vb_len = va_len
-                if V_TWO:
-                    vb_len = _norms(vnb, tok, ok, svnb_t)
+            ka_len, kb_len, va_len, vb_len = nka, nkb, nva, nvb
+            nxt = tl.minimum(tile + 1, hi - 1) * BLOCK_N + n
+            nka, nkb, nva, nvb = _lengths(kna, knb, vna, vnb, nxt, nxt < n_body, skna_t, sknb_t, svna_t, svnb_t,
+                                          K_TWO, V_TWO)
             # ---- scores: per part, the bare centroids' products times the part's lengths
             kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
             s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
@@ -238,7 +232,7 @@ def _turbo_attn(
             tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
     else:
         # ---- tail: the exact tokens as stored, in the model's frame (q . k is the same in both), in the model
-        # dtype like `decode.py`'s; its weighted sum stays in the model's frame (`_combine_back` adds it after
+        # dtype like `decode.py`'s; its weighted sum stays in the model's frame (`decode._combine` adds it after
         # rotating the body's)
         n = tl.arange(0, TAIL_N)
         qroff = b * sqr_b + (h * G + rows % G) * sqr_h + t * sqr_t
@@ -259,45 +253,6 @@ def _turbo_attn(
         tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
-
-
-@triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "rows_pad"))
-def _combine_back(
-    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX, FV, sfv_b, sfv_h, sfv_d,
-    Hkv, Tq, n_parts, rows_pad,
-    G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr,
-):
-    """`decode._combine` of the split-K partials, the body's (parts 0 .. n_parts - 2) taken out of the values' frame
-    (o' F_v^T), the tail's (the last part) already in the model's: out = (o'_body F_v^T + o_tail) / total."""
-    pid = tl.program_id(0)
-    rows = Tq * G
-    bh = (pid // rows).to(tl.int64)
-    r = pid % rows
-    b = bh // Hkv
-    h = bh % Hkv
-    sp = tl.arange(0, NP)
-    d = tl.arange(0, D)
-    ok = sp < n_parts
-    base = (bh * rows_pad + r) * n_parts
-    m = tl.load(M_IN + base + sp, mask=ok, other=float("-inf"))
-    lsum = tl.load(L_IN + base + sp, mask=ok, other=0.0)
-    mx = tl.max(m, 0)
-    if HAS_SAUX:
-        aux = tl.load(SAUX + h * G + r % G).to(tl.float32) * 1.4426950408889634
-        mx = tl.maximum(mx, aux)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(m - mx_safe)
-    total = tl.sum(w * lsum, 0)
-    if HAS_SAUX:
-        total += tl.exp2(aux - mx_safe)
-    acc = tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    tail = sp == n_parts - 1
-    body = tl.sum(acc * tl.where(tail, 0.0, w)[:, None], 0)
-    f = tl.load(FV + b * sfv_b + h * sfv_h + d[:, None] * sfv_d + d[None, :])  # F[c, j]
-    out = tl.sum(f * body[None, :], 1) + tl.sum(acc * tl.where(tail, w, 0.0)[:, None], 0)  # sum_j o'_j F[c, j]
-    out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
-    t = r // G
-    tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + d, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit

@@ -273,12 +273,15 @@ class TurboCodec(Codec):
         return tuple(CodebookPart(prefix + name, prefix + "norm", b, start + lo, hi - lo, signed_order(book))
                      for (lo, hi, b), name, book in zip(self.parts, names, self.books))
 
+    def frame(self, device: torch.device) -> torch.Tensor:
+        """`F (1, 1, D, D)` float32 with stored vectors `x F`: the rotation, shared by every sequence and kv-head."""
+        return self.rotation.frame(device)[None, None]
+
     def packed_format(self) -> CodebookFormat | None:
         if self.qjl:  # the sketch's correction has no kernel: the reference reads QJL keys
             return None
         if not hasattr(self, "_format"):  # built once: the kernel's launcher caches its tables by codebook
-            self._format = CodebookFormat(self.format_parts(),
-                                          frame=lambda device: self.rotation.frame(device)[None, None])
+            self._format = CodebookFormat(self.format_parts(), frame=self.frame)
         return self._format
 
 

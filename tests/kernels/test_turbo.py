@@ -9,6 +9,7 @@ import torch
 
 from hf_kvcache import kernels
 from hf_kvcache.kernels import ops
+from hf_kvcache.kernels.layout import CodebookPart
 from hf_kvcache.methods.turboquant import lloyd_max_codebook, pack_codes, signed_order, unpack_codes
 from tests.kernels.test_decode import DEVICE, _compare, _filled_layer
 
@@ -73,14 +74,10 @@ def test_register_lookup_is_the_codebook(bits):
     codes = torch.randint(0, 2**bits, (64, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed = pack_codes(codes, bits).cuda()
     out = torch.empty(64, 32, device="cuda", dtype=torch.float16)
-    table, asm = ops._codebook_table(_Part(bits, book), torch.device("cuda"), torch.float16)
+    part = CodebookPart("codes", "norm", bits, 0, 32, book)
+    table, asm = ops._codebook_table(part, torch.device("cuda"), torch.float16)
     turbo._lookup_probe[(1,)](packed, out, table, packed.stride(0), W=32, BITS=bits, ASM=asm, N=64)
     assert torch.equal(out.cpu(), book[codes.long()].half())
-
-
-class _Part:
-    def __init__(self, bits, book):
-        self.bits, self.codebook = bits, book
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="fp16 products are the GPU path of bf16 models (the interpreter: fp32)")
