@@ -42,6 +42,10 @@ def test_chunk_of_queries_with_padding_mask():
     _compare("turboquant-3", {"sink_tokens": 1}, steps=steps, mask=mask)
 
 
+def test_bfloat16_mqa_and_softcap():
+    _compare("turboquant-3", {}, heads=8, kv_heads=1, steps=(130, 1), dtype=torch.bfloat16, softcap=20.0)
+
+
 def test_paper_protocol_chunk_without_a_mask_stays_causal():
     _compare("turboquant-4", {}, steps=(150, 100), quantize_before=True)
 
