@@ -157,6 +157,18 @@ def _len(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.shape[2]
 
 
+def _step_counts(query: torch.Tensor, keys: StreamTensors, k_new: torch.Tensor,
+                 exact_new: bool) -> tuple[int, int, int, int, int]:
+    """The launchers' counts of one step: (kv-heads, query heads per kv-head, sinks, new tokens read exactly, `stop`:
+    the held tokens before them). Hq must be a multiple of Hkv (GQA/MQA are read by head mapping)."""
+    hq, hkv = query.shape[1], k_new.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
+    n_sink = _len(keys.sink)
+    n_new = k_new.shape[2] if exact_new else 0
+    return hkv, hq // hkv, n_sink, n_new, n_sink + keys.n_packed + _len(keys.residual) - n_new
+
+
 def _place(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """A (B, H, T, D) place and its batch, head and token strides (a dummy pointer when the place is empty, with
     the token stride of a place's own storage, D, so that the kernel's specialization does not change)."""
@@ -243,14 +255,7 @@ def decode_attention(
         return nuq_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
                              scaling=scaling, softcap=softcap, s_aux=s_aux, static=static)
     b, hq, tq, d = query.shape
-    hkv = k_new.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
-    g = hq // hkv
-    n_sink = _len(keys.sink)
-    held = n_sink + keys.n_packed + _len(keys.residual)
-    n_new = k_new.shape[2] if exact_new else 0
-    stop = held - n_new
+    hkv, g, n_sink, n_new, stop = _step_counts(query, keys, k_new, exact_new)
     dummy = k_new
     if static is not None:
         # Lengths come from the device; the host sizes the launch for the capacity (the body's tiles) alone.
@@ -472,15 +477,8 @@ def nuq_attention(
     from . import nuq
 
     b, hq, tq, d = query.shape
-    hkv = k_new.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
-    g = hq // hkv
+    hkv, g, n_sink, n_new, stop = _step_counts(query, keys, k_new, exact_new)
     kf, vf = keys.fmt, values.fmt
-    n_sink = _len(keys.sink)
-    held = n_sink + keys.n_packed + _len(keys.residual)
-    n_new = k_new.shape[2] if exact_new else 0
-    stop = held - n_new
     dummy = k_new
     if static is not None:
         if static.key_ring or static.value_ring:
@@ -614,15 +612,8 @@ def turbo_attention(
     from . import turbo
 
     b, hq, tq, d = query.shape
-    hkv = k_new.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv-heads")
-    g = hq // hkv
+    hkv, g, n_sink, n_new, stop = _step_counts(query, keys, k_new, exact_new)
     kf, vf = keys.fmt, values.fmt
-    n_sink = _len(keys.sink)
-    held = n_sink + keys.n_packed + _len(keys.residual)
-    n_new = k_new.shape[2] if exact_new else 0
-    stop = held - n_new
     n_body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     device = query.device
     dt, prec = _compute_dtype(query)

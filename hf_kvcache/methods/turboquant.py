@@ -210,6 +210,7 @@ class TurboCodec(Codec):
         self.rotation = RandomRotation(head_dim, seed, rotation)
         self.parts = channel_split(head_dim, bits - 1 if qjl else bits)
         self.books = [lloyd_max_codebook(head_dim, b) for _, _, b in self.parts]  # ascending: encode's cells
+        self.code_books = [signed_order(book) for book in self.books]  # indexed by code: decode's and the kernel's
         if qjl:
             gen = torch.Generator().manual_seed(seed + (1 << 20))
             self.sketch = torch.randn(head_dim, head_dim, generator=gen)  # S: rows are the sketch's directions
@@ -220,9 +221,9 @@ class TurboCodec(Codec):
         when `qjl`."""
         if device not in self._on:
             out = []
-            for book in self.books:
+            for book, code_book in zip(self.books, self.code_books):
                 book = book.to(device)
-                out += [signed_order(book), (book[1:] + book[:-1]) / 2]
+                out += [code_book.to(device), (book[1:] + book[:-1]) / 2]
             if self.qjl:
                 out.append(self.sketch.to(device))
             self._on[device] = out
@@ -270,8 +271,8 @@ class TurboCodec(Codec):
     def format_parts(self, prefix: str = "", start: int = 0) -> tuple[CodebookPart, ...]:
         """The parts as the kernels read them (fields named with `prefix`, channels from `start` in the frame)."""
         names = self._names(len(self.parts))
-        return tuple(CodebookPart(prefix + name, prefix + "norm", b, start + lo, hi - lo, signed_order(book))
-                     for (lo, hi, b), name, book in zip(self.parts, names, self.books))
+        return tuple(CodebookPart(prefix + name, prefix + "norm", b, start + lo, hi - lo, book)
+                     for (lo, hi, b), name, book in zip(self.parts, names, self.code_books))
 
     def frame(self, device: torch.device) -> torch.Tensor:
         """`F (1, 1, D, D)` float32 with stored vectors `x F`: the rotation, shared by every sequence and kv-head."""
@@ -450,16 +451,15 @@ class TurboQuantCache(QuantizedKVCache):
 
         self.key_split, self.value_split = split_for(key_bits), split_for(value_bits)
 
-        def codec(b: float, seed: int, qjl: bool = False) -> Codec:
-            high = split_for(b)
+        def codec(b: float, high: int, seed: int, qjl: bool = False) -> Codec:
             if high:
                 return SplitTurboCodec(head_dim, b, seed, qjl, rotation, scale, high=high)
             return TurboCodec(head_dim, b, seed, qjl, rotation, scale)
 
         def policy(layer_idx: int) -> LayerPolicy:
             return LayerPolicy(
-                key_codec=codec(key_bits, seed + 2 * layer_idx, self.key_qjl),
-                value_codec=codec(value_bits, seed + 2 * layer_idx + 1),
+                key_codec=codec(key_bits, self.key_split, seed + 2 * layer_idx, self.key_qjl),
+                value_codec=codec(value_bits, self.value_split, seed + 2 * layer_idx + 1),
                 sink_tokens=sink_tokens,
                 key_residual_length=residual_length,
                 value_residual_length=residual_length,
