@@ -544,13 +544,15 @@ def _attn_fwd(
 
 @triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "rows_pad"))
 def _combine(
-    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX, FV, sfv_b, sfv_h, sfv_d,
+    ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX, FV, sfv_d, ORDER, sor_b, sor_h,
     Hkv, Tq, n_parts, rows_pad,
     G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr, FRAME: tl.constexpr = False,
+    HAS_ORDER: tl.constexpr = False,
 ):
     """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials. FRAME
-    (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame `FV (D, D)` per kv-head and
-    is summed, then rotated back (o' F^T: out_c = sum_j o'_j F[c, j]) before the tail's part is added."""
+    (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame F = P R
+    (`layout.CodebookFormat`) and is summed, then rotated back by R^T (z_c = sum_j o'_j R[c, j]) and put back in
+    the model's channel order (HAS_ORDER: channel `ORDER[b, h, c]` takes z_c) before the tail's part is added."""
     pid = tl.program_id(0)
     rows = Tq * G
     bh = (pid // rows).to(tl.int64)
@@ -573,13 +575,17 @@ def _combine(
     if HAS_SAUX:
         total += tl.exp2(aux - mx_safe)
     acc = tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    c = d  # the output channel of each lane
     if FRAME:
+        if HAS_ORDER:
+            c = tl.load(ORDER + b * sor_b + h * sor_h + d).to(tl.int32)
         tail = sp == n_parts - 1
         body = tl.sum(acc * tl.where(tail, 0.0, w)[:, None], 0)
-        f = tl.load(FV + b * sfv_b + h * sfv_h + d[:, None] * sfv_d + d[None, :])  # F[c, j]
-        out = tl.sum(f * body[None, :], 1) + tl.sum(acc * tl.where(tail, w, 0.0)[:, None], 0)
+        f = tl.load(FV + d[:, None] * sfv_d + d[None, :])  # R[c, j]
+        tail_acc = tl.load(ACC + (base + n_parts - 1) * D + c)  # the tail's, in the model's channel order
+        out = tl.sum(f * body[None, :], 1) + tail_acc * tl.sum(tl.where(tail, w, 0.0), 0)
     else:
         out = tl.sum(acc * w[:, None], 0)
     out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
     t = r // G
-    tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + d, out.to(OUT.dtype.element_ty))
+    tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + c, out.to(OUT.dtype.element_ty))

@@ -120,14 +120,24 @@ class CodebookPart:
     start: int
     width: int
     codebook: torch.Tensor
+    levels: tuple[float, ...] = ()  # the codebook as numbers, filled in: what a traced graph holds as constants
+
+    def __post_init__(self):
+        if self.codebook.numel() != 1 << self.bits:
+            raise ValueError(f"a {self.bits}-bit codebook part needs {1 << self.bits} centroids, got "
+                             f"{self.codebook.numel()}")
+        object.__setattr__(self, "levels", tuple(self.codebook.tolist()))
 
 
 @dataclass(frozen=True)
 class CodebookFormat:
-    """TurboQuant's fields (`hf_kvcache.methods.turboquant`): every stored vector is `x F`, F orthogonal (`frame(device)
-    -> (B or 1, H or 1, D, D) float32`), its channels coded part by part (`parts`, covering 0..D in order)."""
+    """TurboQuant's fields (`hf_kvcache.methods.turboquant`): every stored vector is `x F`, its channels coded part by
+    part (`parts`, covering 0..D in order). F is orthogonal, `F = P R` (`frame(device) -> (R, order)`): `order (B, H, D)`
+    uint8 a channel order per sequence and kv-head (`(x P)_j = x[order_j]`; None: the identity) and `R (D, D)` float32
+    a rotation shared by every sequence and head. The order costs D bytes a sequence and head where a whole F would
+    cost 4 D^2."""
 
     parts: tuple[CodebookPart, ...]
-    frame: Callable[[torch.device], torch.Tensor]
+    frame: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor | None]]
     kind: str = "codebook"
     token_group: int = 1

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .layout import NUQFormat, PackedFormat, StaticLayout, StreamTensors
+from .layout import CodebookFormat, CodebookPart, NUQFormat, PackedFormat, StaticLayout, StreamTensors
 
 _KINDS = ("fp8-e4m3", "fp8-e5m2", "uniform", "exact")
 
@@ -241,3 +241,66 @@ def _nuq_out(x: Tensor, bits: int, slots: int, keys: bool) -> dict:
 def _(x, midpoints, codebook, inv_freq, key_norm, positions, bits, slots, rope_scale):
     out = _nuq_out(x, bits, slots, keys=bool(key_norm))
     return _nuq_list(x, out)
+
+
+def turbo_tensors(st: StreamTensors) -> list[Optional[Tensor]]:
+    """`[sink, residual, R, order, codes and norm of part 0, of part 1]` of a TurboQuant stream (None where absent;
+    one part: part 1's None)."""
+    rot, order = st.fmt.frame(st.fields[st.fmt.parts[0].codes].device)
+    out = [st.sink, st.residual, rot, order]
+    for i in range(2):
+        part = st.fmt.parts[i] if i < len(st.fmt.parts) else None
+        out += [st.fields[part.codes], st.fields[part.norm]] if part else [None, None]
+    return out
+
+
+def turbo_ints(st: StreamTensors) -> list[int]:
+    """`[n_packed, then (start, width, bits) per part]`."""
+    return [st.n_packed] + [v for p in st.fmt.parts for v in (p.start, p.width, p.bits)]
+
+
+def turbo_books(st: StreamTensors) -> list[float]:
+    """The parts' codebooks, one after the other (a fixed few numbers: constants of the traced graph)."""
+    return [v for p in st.fmt.parts for v in p.levels]
+
+
+def _turbo_stream(tensors: list, ints: list[int], books: list[float]) -> StreamTensors:
+    sink, residual, rot, order, *fields = tensors
+    n_packed, *spec = ints
+    parts, named, at = [], {}, 0
+    for i in range(len(spec) // 3):
+        start, width, bits = spec[3 * i: 3 * i + 3]
+        named[f"codes{i}"], named[f"norm{i}"] = fields[2 * i], fields[2 * i + 1]
+        parts.append(CodebookPart(f"codes{i}", f"norm{i}", bits, start, width,
+                                  torch.tensor(books[at: at + (1 << bits)], dtype=torch.float32)))
+        at += 1 << bits
+    fmt = CodebookFormat(tuple(parts), frame=lambda device: (rot, order))
+    return StreamTensors(sink=sink, fields=named, fmt=fmt, n_packed=n_packed, residual=residual)
+
+
+@torch.library.custom_op("hf_kvcache::static_turbo_attention", mutates_args=())
+def static_turbo_attention(
+    query: Tensor,
+    k_sink: Optional[Tensor], k_res: Optional[Tensor], k_rot: Tensor, k_order: Optional[Tensor],
+    k_codes0: Tensor, k_norm0: Tensor, k_codes1: Optional[Tensor], k_norm1: Optional[Tensor],
+    v_sink: Optional[Tensor], v_res: Optional[Tensor], v_rot: Tensor, v_order: Optional[Tensor],
+    v_codes0: Tensor, v_norm0: Tensor, v_codes1: Optional[Tensor], v_norm1: Optional[Tensor],
+    k_new: Tensor, v_new: Tensor, length: Tensor, mask: Optional[Tensor], s_aux: Optional[Tensor],
+    k_ints: list[int], v_ints: list[int], k_books: list[float], v_books: list[float], layout: list[int],
+    exact_new: bool, scaling: float, softcap: float, has_softcap: bool,
+) -> Tensor:
+    from . import ops
+
+    keys = _turbo_stream([k_sink, k_res, k_rot, k_order, k_codes0, k_norm0, k_codes1, k_norm1], k_ints, k_books)
+    values = _turbo_stream([v_sink, v_res, v_rot, v_order, v_codes0, v_norm0, v_codes1, v_norm1], v_ints, v_books)
+    static = StaticLayout(length, layout[3], layout[0], layout[1], layout[1], bool(layout[2]), bool(layout[2]))
+    return ops.turbo_attention(
+        query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
+        softcap=softcap if has_softcap else None, s_aux=s_aux, static=static,
+    )
+
+
+@static_turbo_attention.register_fake
+def _(query, *args, **kwargs):
+    b, hq, tq, d = query.shape
+    return query.new_empty((b, tq, hq, d))

@@ -92,8 +92,8 @@ def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, st
     if isinstance(keys.fmt, CodebookFormat) or isinstance(values.fmt, CodebookFormat):
         if not (isinstance(keys.fmt, CodebookFormat) and isinstance(values.fmt, CodebookFormat)):
             return "codebook keys and values are read together (TurboQuant)"
-        if static:
-            return "the static form of TurboQuant is read by the reference (no static kernel yet)"
+        if static and _len(keys.residual) != _len(values.residual):
+            return "a static TurboQuant layer with residual windows of two lengths"
         for fmt in (keys.fmt, values.fmt):
             if len(fmt.parts) > 2:
                 return f"{len(fmt.parts)} codebook parts"
@@ -247,10 +247,8 @@ def decode_attention(
     from . import decode
 
     if isinstance(keys.fmt, CodebookFormat):
-        if static is not None:
-            raise ValueError("TurboQuant's kernel reads the dynamic form only (`supports` says so for the static one)")
         return turbo_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
-                               scaling=scaling, softcap=softcap, s_aux=s_aux)
+                               scaling=scaling, softcap=softcap, s_aux=s_aux, static=static)
     if isinstance(keys.fmt, NUQFormat):
         return nuq_attention(query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=attention_mask,
                              scaling=scaling, softcap=softcap, s_aux=s_aux, static=static)
@@ -353,6 +351,14 @@ def static_decode_attention(
             [static.sink_tokens, static.capacity], float(keys.fmt.rope_scale), exact_new, float(scaling),
             float(softcap or 0.0), softcap is not None,
         )
+    if isinstance(keys.fmt, CodebookFormat):
+        return torch.ops.hf_kvcache.static_turbo_attention(
+            query, *library.turbo_tensors(keys), *library.turbo_tensors(values), k_new, v_new, static.length,
+            attention_mask, s_aux, library.turbo_ints(keys), library.turbo_ints(values), library.turbo_books(keys),
+            library.turbo_books(values), [static.sink_tokens, static.key_ring, int(static.key_window),
+                                          static.capacity], exact_new, float(scaling), float(softcap or 0.0),
+            softcap is not None,
+        )
     layout = [static.sink_tokens, static.key_ring, static.value_ring, int(static.key_window), int(static.value_window),
               static.capacity]
     return torch.ops.hf_kvcache.static_attention(
@@ -442,16 +448,25 @@ def _compute_dtype(query: torch.Tensor) -> tuple:
 
 
 def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_parts: int, rows_pad: int,
-             frame: list | None = None) -> None:
-    """The split-K partials into `out (B, Tq, Hq, D)`; `frame` (`_frame_args` of F_v, TurboQuant): every part but the
-    last (the tail's) is in the values' frame and is rotated back by F_v^T."""
+             frame: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """The split-K partials into `out (B, Tq, Hq, D)`; `frame` (the values' `(R, order)`, TurboQuant): every part but
+    the last (the tail's) is in the values' frame and is taken back by F_v^T."""
     from . import decode
 
+    if frame is None:
+        frame_args, has_order = [part_m, 0, part_m, 0, 0], False
+    else:
+        rot, order = frame
+        if rot.stride(1) != 1:
+            raise ValueError("a codebook format's rotation must be contiguous along its rows")
+        has_order = order is not None
+        order_args = [order, order.stride(0), order.stride(1)] if has_order else [part_m, 0, 0]
+        frame_args = [rot, rot.stride(0), *order_args]
     decode._combine[(out.shape[0] * hkv * tq * g,)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-        s_aux if s_aux is not None else part_m, *(frame or [part_m, 0, 0, 0]), hkv, tq, n_parts, rows_pad,
+        s_aux if s_aux is not None else part_m, *frame_args, hkv, tq, n_parts, rows_pad,
         G=g, D=out.shape[-1], NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None,
-        FRAME=frame is not None, num_warps=4,
+        FRAME=frame is not None, HAS_ORDER=has_order, num_warps=4,
     )
 
 
@@ -551,20 +566,14 @@ def nuq_attention(
     return out
 
 
-def _exact_tokens(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """The exact tokens `(B, H, n, D)` of `parts` (None or empty skipped) in token order (no copy for one)."""
-    parts = [p for p in parts if p is not None and p.shape[2]]
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
-
-
-def _frame_args(frame: torch.Tensor) -> list:
-    """A frame `(B or 1, H or 1, D, D)` float32 and its batch, head and row strides (0 where broadcast)."""
-    if frame.stride(3) != 1:
-        raise ValueError("a codebook format's frame must be contiguous along its rows")
-    return [frame, frame.stride(0) if frame.shape[0] > 1 else 0, frame.stride(1) if frame.shape[1] > 1 else 0,
-            frame.stride(2)]
+def _into_frame(query: torch.Tensor, frame: tuple[torch.Tensor, torch.Tensor | None], hkv: int) -> torch.Tensor:
+    """`query (B, Hq, Tq, D)` -> `q F = q[..., order] R` float32, the same shape (the order is per kv-head)."""
+    b, hq, tq, d = query.shape
+    rot, order = frame
+    q = query.float().reshape(b, hkv, hq // hkv * tq, d)  # (grouped by kv-head)
+    if order is not None:
+        q = torch.gather(q, 3, order.long()[:, :, None, :].expand(b, hkv, q.shape[2], d))
+    return (q @ rot).view(b, hq, tq, d)
 
 
 @functools.lru_cache(maxsize=64)
@@ -574,21 +583,22 @@ def _asm(bits: int, halves: tuple[int, ...]) -> str:
     return turbo.lookup_asm(bits, list(halves))
 
 
-# by (id of the codebook, device, dtype): (the table, its PTX, the codebook itself, so that the id stays its own)
-_TABLES: dict[tuple, tuple[torch.Tensor, str, torch.Tensor]] = {}
+# by (bits, the codebook's values, device, dtype): found by the static operator's calls too, whose parts are rebuilt
+# each call, with no copy to the device (none may run while a CUDA graph is captured)
+_TABLES: dict[tuple, tuple[torch.Tensor, str]] = {}
 
 
 def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
     """A part's codebook on `device` in `dtype` (the load lookup) and its PTX (the register lookup), cached."""
-    key = (id(part.codebook), device, dtype)
+    key = (part.bits, part.levels, device, dtype)
     found = _TABLES.get(key)
-    if found is None or found[2] is not part.codebook:
+    if found is None:
         halves = tuple(int(v) & 0xFFFF for v in part.codebook.to(torch.float16).view(torch.int16).tolist())
-        found = (part.codebook.to(device=device, dtype=dtype), _asm(part.bits, halves), part.codebook)
+        found = (part.codebook.to(device=device, dtype=dtype), _asm(part.bits, halves))
         if len(_TABLES) > 64:
             _TABLES.clear()
         _TABLES[key] = found
-    return found[0], found[1]
+    return found
 
 
 @on_input_device
@@ -604,41 +614,36 @@ def turbo_attention(
     scaling: float,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
+    static: StaticLayout | None = None,
 ) -> torch.Tensor:
     """`decode_attention` over TurboQuant's layout (`CodebookFormat`, kernel in `turbo.py`): `query (B, Hq, Tq, D)`,
     per part `codes (B, Hkv, T, W*b/8) uint8` and `norm (B, Hkv, T, 1) fp16` -> `(B, Tq, Hq, D)`. With the frames
-    F_k, F_v `(B or 1, Hkv or 1, D, D)`: the body reads q' = q F_k (one product here, per kv-head), the tail the
-    exact tokens as stored with q itself, and the combine takes the result out of the values' frame (o' F_v^T)."""
+    F_k, F_v (`CodebookFormat.frame`): the body reads q' = q F_k (one gather and one product here), the tail the exact
+    tokens as stored with q itself, and the combine takes the result out of the values' frame (o' F_v^T). `static`:
+    as in `decode_attention` (the same ring for keys and values, `supports`)."""
     from . import turbo
 
     b, hq, tq, d = query.shape
     hkv, g, n_sink, n_new, stop = _step_counts(query, keys, k_new, exact_new)
     kf, vf = keys.fmt, values.fmt
-    n_body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     device = query.device
+    if static is None:
+        n_body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
+        ring = {}
+    else:
+        # the counts come from the device (the residuals are rings); the host sizes the launch for the capacity
+        n_sink, stop, n_body = 0, keys.n_packed, keys.n_packed
+        ring = dict(STATIC=True, SINK_CAP=static.sink_tokens, RING=static.key_ring, WINDOW=static.key_window)
     dt, prec = _compute_dtype(query)
     pdt = torch.float32 if dt == turbo.tl.float32 else torch.float16
     lookup = turbo.LOOKUP_REGISTERS if pdt == torch.float16 and TUNING["turbo_lookup"] == "registers" else \
         turbo.LOOKUP_LOAD
 
-    # the exact tokens: sinks, residual tokens before `stop`, this step's
-    n_res = max(stop - n_sink - n_body, 0)
-    res_k = keys.residual[:, :, :n_res] if keys.residual is not None else None
-    res_v = values.residual[:, :, :n_res] if values.residual is not None else None
-    ek = _exact_tokens([keys.sink, res_k, k_new if exact_new else None])
-    ev = _exact_tokens([values.sink, res_v, v_new if exact_new else None])
-    n_exact = 0 if ek is None else ek.shape[2]
-    if ek is None:
-        ek = ev = k_new
-    if ek.stride(3) != 1 or ev.stride(3) != 1:
-        raise ValueError("the innermost axis of a cache place must be contiguous")
-
     block_n = TUNING["turbo_block_n"]
     block_m = 16 if tq * g <= 16 else (32 if tq * g <= 32 else 64)
     m_tiles = turbo.triton.cdiv(tq * g, block_m)
-    n_tiles = turbo.triton.cdiv(n_body, block_n)
-    n_splits, tiles_per_split = _split_k(query, n_tiles, b * hkv * m_tiles)
-    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=True)
+    n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
 
     def stream_args(st: StreamTensors) -> tuple[list, list]:
         """Per part (two; a single part repeats): codes + strides, norm + strides, codebook; and each part's meta."""
@@ -657,17 +662,17 @@ def turbo_attention(
 
     k_args, k_meta = stream_args(keys)
     v_args, v_meta = stream_args(values)
-    fv_args = _frame_args(vf.frame(device))
     if query.stride(3) != 1:
         query = query.contiguous()
-    qf = (query.float().reshape(b, hkv, g * tq, d) @ kf.frame(device)).view(b, hq, tq, d)  # (grouped by kv-head)
+    qf = _into_frame(query, kf.frame(device), hkv)
+    new_k, new_v = (k_new, v_new) if n_new else (None, None)
     args = [
         qf, qf.stride(0), qf.stride(1), qf.stride(2), query, query.stride(0), query.stride(1), query.stride(2),
         *k_args, *v_args,
-        ek, ek.stride(0), ek.stride(1), ek.stride(2), ev, ev.stride(0), ev.stride(1), ev.stride(2),
-        *_mask_args(attention_mask, k_new), part_acc, part_m, part_l,
-        hkv, tq, n_sink, n_body, n_exact, n_tiles, tiles_per_split, n_splits, m_tiles, stop + n_new,
-        float(scaling), float(softcap or 0.0),
+        *_place(keys.sink, k_new), *_place(keys.residual, k_new), *_place(new_k, k_new),
+        *_place(values.sink, k_new), *_place(values.residual, k_new), *_place(new_v, k_new),
+        *_mask_args(attention_mask, k_new), part_acc, part_m, part_l, *_length_args(static, k_new),
+        hkv, tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, m_tiles, float(scaling), float(softcap or 0.0),
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_N=16, DT=dt,
@@ -676,7 +681,7 @@ def turbo_attention(
         CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1, LOOKUP=lookup,
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
-        K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2],
+        K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2], **ring,
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}
@@ -685,7 +690,8 @@ def turbo_attention(
             **cap)
     turbo._turbo_attn[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     out = torch.empty((b, tq, hq, d), device=device, dtype=query.dtype)
-    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m, frame=fv_args)
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m,
+             frame=vf.frame(device))
     return out
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dot, _finish_scores, _mask_scores, _softmax_step, _unpack
+from .decode import _dot, _finish_scores, _mask_scores, _softmax_step, _static_places, _unpack
 
 LOOKUP_LOAD = 1
 LOOKUP_REGISTERS = 2
@@ -109,9 +109,26 @@ def _lengths(kna, knb, vna, vnb, tok, ok, skna_t, sknb_t, svna_t, svnb_t, K_TWO:
     return ka, kb, va, vb
 
 
+@triton.jit
+def _exact_tile(S_, R_, N_, ss_t, sr_t, sn_t, kpos, d, ok, n_sink, body_end, stop, r_off, DT: tl.constexpr,
+                RING: tl.constexpr):
+    """The exact tokens at positions `kpos (N, 1)` (pointers offset to this batch row and kv-head): sinks below
+    `n_sink`, the residual from `body_end` to `stop` (RING > 0: a ring of RING rows whose oldest token is row
+    `r_off`, the static form), this step's new tokens from `stop`: (N, D) in DT."""
+    stored = ok & (kpos < stop)
+    rk = kpos - body_end
+    if RING > 0:
+        rk = (rk + r_off) % RING
+    nk = kpos - stop
+    x = tl.load(S_ + kpos * ss_t + d, mask=stored & (kpos < n_sink), other=0.0).to(DT)
+    x += tl.load(R_ + rk * sr_t + d, mask=stored & (kpos >= body_end), other=0.0).to(DT)
+    x += tl.load(N_ + nk * sn_t + d, mask=ok & (nk >= 0), other=0.0).to(DT)
+    return x
+
+
 # as `decode._VARYING`: integers that change from step to step are not specialized (no recompiles between tokens)
-_VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "n_exact", "n_tiles", "tiles_per_split", "n_splits",
-            "m_tiles", "s_total")
+_VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "stop", "n_new", "tiles_per_split", "n_splits",
+            "m_tiles")
 
 
 @triton.jit(do_not_specialize=_VARYING)
@@ -121,10 +138,11 @@ def _turbo_attn(
     KCB, skcb_b, skcb_h, skcb_t, KNB, sknb_b, sknb_h, sknb_t, KBB,
     VCA, svca_b, svca_h, svca_t, VNA, svna_b, svna_h, svna_t, VBA,
     VCB, svcb_b, svcb_h, svcb_t, VNB, svnb_b, svnb_h, svnb_t, VBB,
-    EK, sek_b, sek_h, sek_t, EV, sev_b, sev_h, sev_t,
+    KS, sks_b, sks_h, sks_t, KR, skr_b, skr_h, skr_t, KN, skn_b, skn_h, skn_t,
+    VS, svs_b, svs_h, svs_t, VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t,
     MASK, sm_b, sm_t, sm_s,
-    ACC, M_OUT, L_OUT,
-    Hkv, Tq, n_sink, n_body, n_exact, n_tiles, tiles_per_split, n_splits, m_tiles, s_total,
+    ACC, M_OUT, L_OUT, LENS, cap_len,
+    Hkv, Tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     DT: tl.constexpr, PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
@@ -132,12 +150,29 @@ def _turbo_attn(
     K_TWO: tl.constexpr, K_WA: tl.constexpr, K_BA: tl.constexpr, K_BB: tl.constexpr,
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
+    STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
     query as the model gives it (the tail's); per stream up to two parts (A: channels 0..WA, B: WA..D), codes +
-    lengths + codebook; `EK`/`EV (B, Hkv, n_exact, D)` the exact tokens as stored (sinks first, then the tokens
-    after the packed body)."""
+    lengths + codebook; the exact places as stored, per stream: sinks `S`, residual `R` (its first row the oldest),
+    this step's `n_new` tokens `N`. Token order: n_sink sinks, n_body packed, the residual up to `stop` (the held
+    tokens before the new ones), n_new new.
+
+    STATIC (the static form, `hf_kvcache.static`): the counts come from the device (`LENS`: the tokens held, at most
+    `cap_len`), the residual is a ring of RING rows (`decode._static_places`), the launch is sized for the capacity
+    and programs past the filled tiles find empty ranges, as in `decode._attn_fwd`."""
+    if STATIC:
+        held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
+        n_sink = tl.minimum(held, SINK_CAP)
+        n_packed, _, r_off = _static_places(held - n_sink, RING, WINDOW)
+        stop = held - n_new
+        n_body = tl.maximum(tl.minimum(n_packed, stop - n_sink), 0)
+        tiles_per_split = tl.cdiv(tl.cdiv(n_body, BLOCK_N), tl.maximum(n_splits, 1))
+    else:
+        r_off = 0
+    s_total = stop + n_new
+    n_tiles = tl.cdiv(n_body, BLOCK_N)
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -237,18 +272,25 @@ def _turbo_attn(
         n = tl.arange(0, TAIL_N)
         qroff = b * sqr_b + (h * G + rows % G) * sqr_h + t * sqr_t
         qd = tl.load(QR + qroff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
-        ek = EK + b * sek_b + h * sek_h
-        ev = EV + b * sev_b + h * sev_h
+        ks = KS + b * sks_b + h * sks_h
+        kr = KR + b * skr_b + h * skr_h
+        kn = KN + b * skn_b + h * skn_h
+        vs = VS + b * svs_b + h * svs_h
+        vr = VR + b * svr_b + h * svr_h
+        vn = VN + b * svn_b + h * svn_h
+        body_end = n_sink + n_body
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for i in range(0, tl.cdiv(n_exact, TAIL_N)):
-            e = i * TAIL_N + n
-            ok = e < n_exact
+        for i in range(0, tl.cdiv(s_total - n_body, TAIL_N)):
+            e = i * TAIL_N + n  # the i-th exact token: sinks, then past the body
+            ok = e < s_total - n_body
             kpos = tl.where(e < n_sink, e, e + n_body)
-            kt = tl.load(ek + e[:, None] * sek_t + d[None, :], mask=ok[:, None], other=0.0).to(DT)
+            kt = _exact_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
+                             body_end, stop, r_off, DT, RING)
             s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
             s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-            vt = tl.load(ev + e[:, None] * sev_t + d[None, :], mask=ok[:, None], other=0.0).to(DT)
+            vt = _exact_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
+                             body_end, stop, r_off, DT, RING)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
         tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)

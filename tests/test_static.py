@@ -15,6 +15,10 @@ from tests.helpers.methods import STATIC_METHODS as METHODS
 from tests.helpers.tiny_models import left_padded_batch, tiny_input_ids, tiny_model
 
 IDS = [m[0] for m in METHODS]
+# On CUDA also TurboQuant through its static kernel (the matrix's row has QJL keys, which no kernel reads): the
+# energy split's channel orders, sinks and a FIFO ring
+CUDA_METHODS = METHODS + [("turboquant-3", {}, {"sink_tokens": 2, "residual_length": 4})]
+CUDA_IDS = IDS + ["turboquant-3-kernel"]
 
 
 def _greedy(model, ids, cache, n, mask=None, **kwargs):
@@ -171,7 +175,7 @@ def _cuda_case(name: str, spec: str, kwargs: dict, n: int, **generate_kwargs):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["llama", "gemma", "qwen3", "mqa"])
-@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+@pytest.mark.parametrize("spec,easy,hard", CUDA_METHODS, ids=CUDA_IDS)
 def test_captured_decode_step_equals_eager_on_cuda(spec, easy, hard, name):
     """The whole decode step traced by dynamo, our operators inside, replayed as a CUDA graph (torch.compile's
     `cudagraphs` backend: everything of the compiled path but Inductor's own kernels), every place in use (the
@@ -184,7 +188,7 @@ def test_captured_decode_step_equals_eager_on_cuda(spec, easy, hard, name):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+@pytest.mark.parametrize("spec,easy,hard", CUDA_METHODS, ids=CUDA_IDS)
 def test_generate_compiles_the_static_cache_by_itself_on_cuda(spec, easy, hard):
     """transformers' own rule (`is_compileable`, Inductor, `mode="reduce-overhead"`) compiles the decode step once
     for 512 steps, and its greedy tokens are the eager step's for the first 200 (measured on the H200). Later
@@ -199,7 +203,8 @@ def test_generate_compiles_the_static_cache_by_itself_on_cuda(spec, easy, hard):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("spec", ["exact", "fp8-e4m3", "int8", "int4-g64", "kivi-2"])  # groups that divide head_dim 64
+# (INT groups that divide head_dim 64; TurboQuant's preset through its kernel)
+@pytest.mark.parametrize("spec", ["exact", "fp8-e4m3", "int8", "int4-g64", "kivi-2", "turboquant-3.5"])
 def test_default_model_shape_compiled_equals_eager(spec):
     """64 greedy tokens of a model with the default model's config (random weights: the GPU host has no copy)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -165,23 +165,27 @@ class RandomRotation:
             rounds = 2 if kind == "hadamard2" else 1
             gen = torch.Generator().manual_seed(seed)
             self.signs = torch.randint(0, 2, (rounds, head_dim), generator=gen).float() * 2 - 1
-        self._on: dict = {}
+        self.matrix_cpu = self._transform(torch.eye(head_dim), self._params(), inverse=False)  # F (D, D)
+        # per device: (the parameters, F), moved together by the first `apply` there (an eager write, the prefill's:
+        # a compiled step then finds the F the kernels read instead of building it)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _get(self, device: torch.device) -> torch.Tensor:
+    def _params(self) -> torch.Tensor:
+        return self.matrix if self.kind == "dense" else self.signs
+
+    def _get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._on:
-            self._on[device] = (self.matrix if self.kind == "dense" else self.signs).to(device)
+            self._on[device] = (self._params().to(device), self.matrix_cpu.to(device))
         return self._on[device]
 
     def frame(self, device: torch.device) -> torch.Tensor:
-        """The transform as a matrix `F (D, D)` float32, `apply(x) = x F` (cached per device)."""
-        key = ("frame", device)
-        if key not in self._on:
-            d = self._get(device).shape[-1]
-            self._on[key] = self.apply(torch.eye(d, device=device))
-        return self._on[key]
+        """The transform as a matrix `F (D, D)` float32, `apply(x) = x F`."""
+        return self._get(device)[1]
 
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        t = self._get(x.device)
+        return self._transform(x, self._get(x.device)[0], inverse)
+
+    def _transform(self, x: torch.Tensor, t: torch.Tensor, inverse: bool) -> torch.Tensor:
         x = x.float()
         if self.kind == "dense":
             return x @ (t.T if inverse else t)
@@ -274,9 +278,9 @@ class TurboCodec(Codec):
         return tuple(CodebookPart(prefix + name, prefix + "norm", b, start + lo, hi - lo, book)
                      for (lo, hi, b), name, book in zip(self.parts, names, self.code_books))
 
-    def frame(self, device: torch.device) -> torch.Tensor:
-        """`F (1, 1, D, D)` float32 with stored vectors `x F`: the rotation, shared by every sequence and kv-head."""
-        return self.rotation.frame(device)[None, None]
+    def frame(self, device: torch.device) -> tuple[torch.Tensor, None]:
+        """`(R (D, D) float32, None)`: stored vectors are `x R`, one rotation for every sequence and kv-head."""
+        return self.rotation.frame(device), None
 
     def packed_format(self) -> CodebookFormat | None:
         if self.qjl:  # the sketch's correction has no kernel: the reference reads QJL keys
@@ -303,6 +307,7 @@ class SplitTurboCodec(Codec):
         self.halves = {"hi_": TurboCodec(self.high, b_hi, seed, qjl, rotation, scale),
                        "lo_": TurboCodec(head_dim - self.high, b_lo, seed + 7919, qjl, rotation, scale)}
         self.head_dim = head_dim
+        self._blocks: dict[torch.device, torch.Tensor] = {}  # R per device
 
     @property
     def observing(self) -> bool:
@@ -318,6 +323,7 @@ class SplitTurboCodec(Codec):
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if self.observing:
             self.observe(x, valid)
+        self.frame(x.device)  # R on this device, made in eager code (the prefill): a compiled step only reads it
         perm = self.state["perm"].to(x.device).long()[:, :, None, :].expand(-1, -1, x.shape[2], -1)
         xs = torch.gather(x, -1, perm)
         half = self.high
@@ -333,22 +339,13 @@ class SplitTurboCodec(Codec):
         perm = self.state["perm"].to(xs.device).long()[:, :, None, :].expand(-1, -1, xs.shape[2], -1)
         return torch.empty_like(xs).scatter_(-1, perm, xs).to(dtype)
 
-    def frame(self, device: torch.device) -> torch.Tensor:
-        """`F (B, H, D, D)` float32 with stored vectors `x F`: the channel order (`perm`), then each half's rotation,
-        `F[perm_j] = blockdiag(F_hi, F_lo)[j]`; the identity order while nothing is observed yet."""
-        perm = self.state.get("perm")
-        cached = getattr(self, "_frame", None)  # (the perm it was built from, its device, F): built once a sequence
-        if cached is None or cached[0] is not perm or cached[1] != device:
-            block = torch.block_diag(*(codec.rotation.frame(device) for codec in self.halves.values()))
-            if perm is None:
-                frame = block[None, None]
-            else:
-                index = perm.to(device).long()
-                b, h, d = index.shape
-                frame = torch.empty(b, h, d, d, device=device)
-                frame.scatter_(2, index[..., None].expand(-1, -1, -1, d), block.expand(b, h, d, d).contiguous())
-            self._frame = cached = (perm, device, frame)
-        return cached[2]
+    def frame(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(R, order)`: stored vectors are `x[..., order] R` with `R = blockdiag(R_hi, R_lo) (D, D)` float32 and
+        `order (B, H, D)` uint8 the state `perm` (None while nothing is observed: the identity order)."""
+        if device not in self._blocks:  # (the prefill's encode puts it there, eagerly)
+            self._blocks[device] = torch.block_diag(
+                *(codec.rotation.frame(device) for codec in self.halves.values()))
+        return self._blocks[device], self.state.get("perm")
 
     def packed_format(self) -> CodebookFormat | None:
         if any(codec.qjl for codec in self.halves.values()):

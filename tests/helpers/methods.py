@@ -21,6 +21,6 @@ SPECS = [spec for spec, _, _ in METHODS]
 # (in the dynamic form it is a lossless codec like tests/helpers/lossless.py, which the generate matrix covers).
 STATIC_METHODS = [("exact", {}, {"sink_tokens": 2})] + METHODS
 # Methods the decode-kernel tests build on a bare config (KVQuant and RotatedCache need a model: their kernel
-# paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py; TurboQuant has no kernel yet
-# and reads through the reference on every device).
+# paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py; TurboQuant's, whose row here
+# has QJL keys that no kernel reads, in tests/kernels/test_turbo.py).
 KERNEL_METHODS = [m for m in METHODS if not m[0].startswith(("kvquant", "rotated", "turboquant"))]

@@ -4,6 +4,8 @@ residual window, a chunk with a padding mask, the paper protocol; on CUDA also t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,14 +52,16 @@ def test_paper_protocol_chunk_without_a_mask_stays_causal():
     _compare("turboquant-4", {}, steps=(150, 100), quantize_before=True)
 
 
-def test_qjl_keys_and_the_static_form_go_to_the_reference():
+def test_qjl_keys_and_static_windows_of_two_lengths_go_to_the_reference():
     cache, (kh, vh) = _filled_layer("turboquant-3", {"key_qjl": True, "scale": "norm"}, batch=1, heads=4, kv_heads=2,
                                     head_dim=64, steps=(20, 1), dtype=torch.float32)
     assert kh.layer.key_stream.kernel_view() is None
     values = vh.layer.value_stream.kernel_view()  # the plain codebook: read by the kernel, both streams so
     q = torch.zeros(1, 4, 1, 64, device=DEVICE)
     assert ops.supports(values, values, q) is None
-    assert "static" in ops.supports(values, values, q, static=True)
+    assert ops.supports(values, values, q, static=True) is None
+    ring = dataclasses.replace(values, residual=torch.zeros(1, 2, 5, 64, device=DEVICE))
+    assert "residual windows of two lengths" in ops.supports(values, ring, q, static=True)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
