@@ -150,6 +150,28 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("hf_kvcache::pack_turbo", mutates_args=())
+def pack_turbo(y: Tensor, mids: list[Tensor], books: list[Tensor], bits: list[int], code_bytes: list[int],
+               lsq: bool) -> list[Tensor]:
+    """-> `[codes of each part, norm]` (`ops.pack_turbo`; `code_bytes`: each part's bytes a vector)."""
+    from . import ops
+
+    out = _turbo_out(y, code_bytes)
+    ops.pack_turbo(y, out[:-1], out[-1], bits, mids, books, lsq, _eager=True)
+    return out
+
+
+def _turbo_out(y: Tensor, code_bytes: list[int]) -> list[Tensor]:
+    b, h, t, _ = y.shape
+    return [y.new_empty((b, h, t, n), dtype=torch.uint8) for n in code_bytes] + [
+        y.new_empty((b, h, t, 1), dtype=torch.float16)]
+
+
+@pack_turbo.register_fake
+def _(y, mids, books, bits, code_bytes, lsq):
+    return _turbo_out(y, code_bytes)
+
+
 _NUQ_FIELDS = ("codes", "out_idx", "out_val", "pos", "lo", "hi")
 
 

@@ -799,6 +799,35 @@ def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, 
 
 
 @on_input_device
+def pack_turbo(y: torch.Tensor, codes: list[torch.Tensor], norm: torch.Tensor, bits: list[int],
+               mids: list[torch.Tensor], books: list[torch.Tensor], lsq: bool, _eager: bool = False) -> None:
+    """TurboQuant's fields of rotated vectors under one length, in place: `y (B, H, T, W)` float32 -> per part i (its
+    channels next in order, `bits[i]` bits, W_i of them) `codes[i] (B, H, T, W_i * b_i / 8)` uint8, the index of
+    each unit coordinate's cell (`mids[i]`, the ascending codebook's midpoints) in sign-magnitude order, and
+    `norm (B, H, T, 1)` fp16, the norm or (`lsq`) the least-squares length of `books[i][codes]` (code order);
+    `turboquant.TurboCodec.encode` after its rotation."""
+    from . import pack
+
+    if not _eager and _compiling():
+        outs = torch.ops.hf_kvcache.pack_turbo(y, mids, books, bits, [c.shape[-1] for c in codes], lsq)
+        for out, value in zip([*codes, norm], outs):
+            out.copy_(value)
+        return
+
+    b, h, t, w = y.shape
+    two = len(codes) == 2
+    widths = [c.shape[-1] * 8 // n for c, n in zip(codes, bits)]
+    if sum(widths) != w or len(codes) not in (1, 2):
+        raise ValueError(f"codes of widths {widths} do not cover the {w} channels of the rotated vectors")
+    ca, cb = codes[0], codes[-1]
+    pack._pack_turbo[(b * h, pack.triton.cdiv(t, _PACK_BLOCK_T))](
+        y, *_bh_t_strides(y), ca, *_bh_t_strides(ca), cb, *_bh_t_strides(cb), norm, *_bh_t_strides(norm),
+        mids[0], books[0], mids[-1], books[-1], t, h,
+        WA=widths[0], WB=widths[-1], BA=bits[0], BB=bits[-1], TWO=two, LSQ=lsq, BLOCK_T=_PACK_BLOCK_T,
+    )
+
+
+@on_input_device
 def pack_nuq(
     x: torch.Tensor,
     out: dict[str, torch.Tensor],

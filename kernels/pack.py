@@ -1,7 +1,10 @@
 """Quantize/pack kernels: one pass from model-dtype K/V to codes and scales, written in place into the cache's
 preallocated storage. Each reproduces a reference of `hf_kvcache.quant` bit for bit (same fp16 outward rounding
 of scales and zeros, round-half-to-even codes, IEEE division), so a kernel-written cache decodes exactly like a
-reference-written one. Launchers: `hf_kvcache.kernels.ops.pack_*`.
+reference-written one. TurboQuant's (`_pack_turbo`) sums a vector's squares, whose order PyTorch's CUDA reduction
+need not share: its lengths can round to the neighbouring fp16 value, and a coordinate within a float32 step of a
+cell edge take the other cell (`tests/kernels/test_pack.py`; under the interpreter the bytes are the same).
+Launchers: `hf_kvcache.kernels.ops.pack_*`.
 """
 
 from __future__ import annotations
@@ -201,3 +204,71 @@ def _pack_fp8(
     else:
         c = _fp8_grid(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(C + b * sc_b + h * sc_h + tok[:, None] * sc_t + d[None, :], c, mask=ok)
+
+
+@triton.jit
+def _cells(u, MID, CB, BITS: tl.constexpr):
+    """TurboQuant's coding of unit-vector coordinates `u` (the reference's `torch.bucketize` against the ascending
+    codebook's midpoints `MID (2^b - 1,)`, then `turboquant._to_code`): (codes int32 in sign-magnitude order, their
+    centroids `CB[code]`)."""
+    idx = tl.zeros(u.shape, tl.int32)
+    for i in tl.static_range((1 << BITS) - 1):
+        idx += (tl.load(MID + i) < u).to(tl.int32)  # bucketize: the midpoints strictly below
+    half: tl.constexpr = 1 << (BITS - 1)
+    code = tl.where(idx < half, half - 1 - idx, idx)
+    return code, tl.load(CB + code)
+
+
+@triton.jit
+def _store_codes(C, rows, ok, code, BLOCK: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr):
+    """Codes `(BLOCK, W)` of one part at byte rows `C + rows` in `turboquant.pack_codes`' layout (3 bits: the low two
+    bits' plane, then the top bit's)."""
+    if BITS == 3:
+        lo = _pack_rows(code & 3, BLOCK, W, 2)
+        tl.store(C + rows[:, None] + tl.arange(0, W // 4)[None, :], lo, mask=ok[:, None])
+        top = _pack_rows(code >> 2, BLOCK, W, 1)
+        tl.store(C + rows[:, None] + W // 4 + tl.arange(0, W // 8)[None, :], top, mask=ok[:, None])
+    else:
+        tl.store(C + rows[:, None] + tl.arange(0, W * BITS // 8)[None, :], _pack_rows(code, BLOCK, W, BITS),
+                 mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=("T",))
+def _pack_turbo(
+    Y, sy_b, sy_h, sy_t, CA, sca_b, sca_h, sca_t, CB_, scb_b, scb_h, scb_t, NRM, sn_b, sn_h, sn_t,
+    MIDA, BOOKA, MIDB, BOOKB, T, H,
+    WA: tl.constexpr, WB: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr, TWO: tl.constexpr, LSQ: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """TurboQuant's codes of rotated vectors `Y (B, H, T, WA + WB)` float32 under one length
+    (`turboquant.TurboCodec.encode` after its rotation): part A (channels 0..WA, BA bits) and, when TWO, part B (the
+    WB after it, BB bits); the length `NRM (B, H, T, 1)` fp16 is the norm or (LSQ) the least-squares length of the
+    coded direction, clamped to fp16's range."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = tok < T
+    y_row = Y + b * sy_b + h * sy_h + tok[:, None] * sy_t
+    ya = tl.load(y_row + tl.arange(0, WA)[None, :], mask=ok[:, None], other=0.0)
+    yy = tl.sum(ya * ya, 1)
+    if TWO:
+        yb = tl.load(y_row + WA + tl.arange(0, WB)[None, :], mask=ok[:, None], other=0.0)
+        yy += tl.sum(yb * yb, 1)
+    norm = tl.math.sqrt_rn(yy)
+    safe = tl.maximum(norm, 1.1754943508222875e-38)[:, None]  # a zero vector stays zero: no division by zero
+    ua = tl.math.div_rn(ya, safe)
+    code, ca = _cells(ua, MIDA, BOOKA, BA)
+    _store_codes(CA + b * sca_b + h * sca_h, tok * sca_t, ok, code, BLOCK_T, WA, BA)
+    uc = tl.sum(ua * ca, 1)
+    cc = tl.sum(ca * ca, 1)
+    if TWO:
+        ub = tl.math.div_rn(yb, safe)
+        code, cb = _cells(ub, MIDB, BOOKB, BB)
+        _store_codes(CB_ + b * scb_b + h * scb_h, tok * scb_t, ok, code, BLOCK_T, WB, BB)
+        uc += tl.sum(ub * cb, 1)
+        cc += tl.sum(cb * cb, 1)
+    if LSQ:
+        norm = tl.math.div_rn(norm * uc, tl.maximum(cc, 1e-30))
+    norm = tl.minimum(norm, 65504.0)  # (fp16's largest value)
+    tl.store(NRM + b * sn_b + h * sn_h + tok * sn_t, norm.to(tl.float16), mask=ok)

@@ -10,8 +10,10 @@ the length and `c_p` the codebook of part p,
 
 the lengths applied to the scores and to the softmax weights, outside the products, which take the bare centroids.
 Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), one
-tail program over the exact tokens (sinks, residual, new tokens) in the model's own frame, and the combine kernel
-(`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's. No product with F runs inside a
+tail program over the exact tokens (sinks, residual, new tokens, read where they lie) in the model's own frame, and
+the combine kernel (`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's.
+The static form (STATIC, `hf_kvcache.static`) takes every count from the device's length, as `decode.py` does, so
+that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No product with F runs inside a
 program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200 (BENCHMARKS.md).
 
 Codebook lookup (`LOOKUP`):

@@ -31,8 +31,10 @@ and 2 of residual norm more, the codebook one bit narrower).
 
 The fused attention (`hf_kvcache.kernels.turbo`) reads the codes where they lie: the codec's rotation (and the split's
 channel order) is the format's `frame` F, orthogonal, so `q . k = (q F) . (k F)`; the kernel gets the query rotated
-once per step, scores against `length * codebook[code]` part by part, and its output is rotated back by F^T. QJL keys
-have no kernel (the reference path reads them).
+once per step, scores against `length * codebook[code]` part by part, and its output is rotated back by F^T. It reads
+the dynamic form and the static one (compiled decode). On the kernels' backend the codes are written by a pack kernel
+(`kernels.ops.pack_turbo`) after the rotation, which PyTorch applies as the reference does. QJL keys have no kernel
+(the reference path reads and writes them).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import math
 
 import torch
 
+from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import CodebookFormat, CodebookPart
 from ..quant import pack_bits, unpack_bits
@@ -237,7 +240,19 @@ class TurboCodec(Codec):
     def _names(n_parts: int) -> list[str]:
         return ["codes"] if n_parts == 1 else ["codes_hi", "codes_lo"]
 
+    def _kernel(self, x: torch.Tensor) -> bool:
+        """Whether the pack kernel codes `x` (`kernels.ops.pack_turbo`; QJL's sketch has none)."""
+        return (not self.qjl and kernels.use_kernels(x.device)
+                and all(kernels.head_dim_ok(hi - lo) for lo, hi, _ in self.parts))
+
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if self._kernel(x):
+            b, h, t, _ = x.shape
+            out = {name: torch.empty((b, h, t, (hi - lo) * bits // 8), dtype=torch.uint8, device=x.device)
+                   for (lo, hi, bits), name in zip(self.parts, self._names(len(self.parts)))}
+            out["norm"] = torch.empty((b, h, t, 1), dtype=torch.float16, device=x.device)
+            self.encode_into(x, valid, out)
+            return out
         tables = self._tables(x.device)
         y = self.rotation.apply(x)
         norm = y.norm(dim=-1, keepdim=True)
@@ -259,6 +274,16 @@ class TurboCodec(Codec):
             fields["signs"] = pack_bits((r @ tables[-1].T >= 0).to(torch.uint8), 1)
             fields["rnorm"] = _fp16(r.norm(dim=-1, keepdim=True))
         return fields
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        if not self._kernel(x):
+            super().encode_into(x, valid, out)
+            return
+        tables = self._tables(x.device)
+        n = len(self.parts)
+        kernels.ops.pack_turbo(self.rotation.apply(x), [out[name] for name in self._names(n)], out["norm"],
+                               [bits for _, _, bits in self.parts], tables[1:2 * n:2], tables[0:2 * n:2],
+                               self.scale == "lsq")
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         norm = fields["norm"]
@@ -324,13 +349,23 @@ class SplitTurboCodec(Codec):
         if self.observing:
             self.observe(x, valid)
         self.frame(x.device)  # R on this device, made in eager code (the prefill): a compiled step only reads it
-        perm = self.state["perm"].to(x.device).long()[:, :, None, :].expand(-1, -1, x.shape[2], -1)
-        xs = torch.gather(x, -1, perm)
-        half = self.high
         fields = {}
-        for (prefix, codec), part in zip(self.halves.items(), (xs[..., :half], xs[..., half:])):
+        for (prefix, codec), part in zip(self.halves.items(), self._halves_of(x)):
             fields.update({prefix + k: v for k, v in codec.encode(part).items()})
         return fields
+
+    def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+        if self.observing:
+            self.observe(x, valid)
+        self.frame(x.device)
+        for (prefix, codec), part in zip(self.halves.items(), self._halves_of(x)):
+            codec.encode_into(part, None, {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)})
+
+    def _halves_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x (B, H, T, D)` in the channel order `perm` -> its high-energy and low-energy channels."""
+        perm = self.state["perm"].to(x.device).long()[:, :, None, :].expand(-1, -1, x.shape[2], -1)
+        xs = torch.gather(x, -1, perm)
+        return xs[..., : self.high], xs[..., self.high:]
 
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         parts = [codec.decode({k[len(prefix):]: v for k, v in fields.items() if k.startswith(prefix)}, torch.float32)

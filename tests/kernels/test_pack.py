@@ -10,6 +10,7 @@ from hf_kvcache import kernels
 from hf_kvcache.methods.fp8 import FP8Codec
 from hf_kvcache.methods.int import IntCodec
 from hf_kvcache.methods.kivi import KEY_RANGE_GRID, PerChannelKeyCodec
+from hf_kvcache.methods.turboquant import SplitTurboCodec, TurboCodec
 from tests.kernels.test_decode import DEVICE, _filled_layer
 
 pytestmark = pytest.mark.skipif(
@@ -95,3 +96,41 @@ def test_cache_storage_written_in_place_equals_the_reference(spec, kwargs):
         assert a.n_packed == b.n_packed > 0
         for field, value in a.packed.view().items():
             assert torch.equal(value, b.packed.view()[field]), (name, field)
+
+
+TURBO = {
+    "4": lambda: TurboCodec(64, 4, 1),
+    "3-planes": lambda: TurboCodec(64, 3, 2),
+    "2": lambda: TurboCodec(64, 2, 3, scale="norm"),
+    "3.5-two-widths": lambda: TurboCodec(64, 3.5, 4),
+    "2.5-hadamard": lambda: TurboCodec(64, 2.5, 5, rotation="hadamard"),
+    "3.5-split": lambda: SplitTurboCodec(64, 3.5, 6),
+}
+
+
+@pytest.mark.parametrize("name", list(TURBO))
+def test_turboquant_codes_and_lengths_are_the_reference(name):
+    """TurboQuant's pack kernel (after the codec's own rotation): the reference's codes, in every layout (4 bits, the
+    3-bit planes, two widths under one length, the energy split), zero vectors and lengths past fp16's range
+    clamped. The kernel sums squares in its own order, which PyTorch's CUDA reduction need not share: a length may
+    round to the neighbouring fp16 value and, once in a while, a coordinate within that of a cell edge take the
+    neighbouring cell (the interpreter gives the same bytes)."""
+    codec = TURBO[name]()
+    x = _x((2, 3, 37, 64), seed=len(name))
+    x[1, 2, 3] = 0.0
+    x[1, 1, 4] = 1e6  # a length past fp16's range
+    got, want = _both(codec, x)
+    assert got.keys() == want.keys()
+    for field in want:
+        if want[field].dtype == torch.uint8:
+            equal = (got[field] == want[field]).float().mean().item()
+            assert equal >= 0.999, f"{field}: {1 - equal:.2%} of the code bytes differ"
+        else:
+            def bits(t):  # (+ 0.0: a zero length is zero whatever its sign, which the two sums may give apart)
+                return (t.float() + 0.0).half().view(torch.int16).int()
+
+            steps = (bits(got[field]) - bits(want[field])).abs()
+            assert steps.max() <= 1, f"{field}: lengths {int(steps.max())} fp16 steps apart"
+            assert torch.isfinite(got[field].float()).all()
+    if DEVICE == "cpu":
+        _assert_same_bytes(got, want)
