@@ -132,10 +132,10 @@ class CodebookPart:
 @dataclass(frozen=True)
 class CodebookFormat:
     """TurboQuant's fields (`hf_kvcache.methods.turboquant`): every stored vector is `x F`, its channels coded part by
-    part (`parts`, covering 0..D in order). F is orthogonal, `F = P R` (`frame(device) -> (R, order)`): `order (B, H, D)`
-    uint8 a channel order per sequence and kv-head (`(x P)_j = x[order_j]`; None: the identity) and `R (D, D)` float32
-    a rotation shared by every sequence and head. The order costs D bytes a sequence and head where a whole F would
-    cost 4 D^2."""
+    part (`parts`, covering 0..D in order). F is orthogonal, `F = P R` (`frame(device) -> (R, order)`):
+    `order (B, H, D)` uint8 a channel order per sequence and kv-head (`(x P)_j = x[order_j]`; None: the identity) and
+    `R (D, D)` float32 a rotation shared by every sequence and head. The order costs D bytes a sequence and head where
+    a whole F would cost 4 D^2."""
 
     parts: tuple[CodebookPart, ...]
     frame: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor | None]]

@@ -13,8 +13,9 @@ Work split as in `decode.py`: split-K body programs over tiles of packed tokens 
 tail program over the exact tokens (sinks, residual, new tokens, read where they lie) in the model's own frame, and
 the combine kernel (`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's.
 The static form (STATIC, `hf_kvcache.static`) takes every count from the device's length, as `decode.py` does, so
-that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No product with F runs inside a
-program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200 (BENCHMARKS.md).
+that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No
+product with F runs inside a program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200
+(BENCHMARKS.md).
 
 Codebook lookup (`LOOKUP`):
 - 2, in registers (fp16 products, not the interpreter): inline PTX on 32-bit words of codes. `prmt` picks bytes out

@@ -11,13 +11,12 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from hf_kvcache import _compat, make_cache
 from hf_kvcache.static import StaticQuantizedKVLayer
-from tests.helpers.methods import STATIC_METHODS as METHODS
+from tests.helpers.methods import STATIC_METHODS as METHODS, TURBOQUANT_KERNEL
 from tests.helpers.tiny_models import left_padded_batch, tiny_input_ids, tiny_model
 
 IDS = [m[0] for m in METHODS]
-# On CUDA also TurboQuant through its static kernel (the matrix's row has QJL keys, which no kernel reads): the
-# energy split's channel orders, sinks and a FIFO ring
-CUDA_METHODS = METHODS + [("turboquant-3", {}, {"sink_tokens": 2, "residual_length": 4})]
+# On CUDA also TurboQuant through its static kernel
+CUDA_METHODS = METHODS + [TURBOQUANT_KERNEL]
 CUDA_IDS = IDS + ["turboquant-3-kernel"]
 
 

@@ -346,23 +346,21 @@ class SplitTurboCodec(Codec):
         self.state["perm"] = order.to(torch.uint8 if self.head_dim <= 256 else torch.int16)  # 1 byte a channel
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        if self.observing:
-            self.observe(x, valid)
-        self.frame(x.device)  # R on this device, made in eager code (the prefill): a compiled step only reads it
         fields = {}
-        for (prefix, codec), part in zip(self.halves.items(), self._halves_of(x)):
+        for (prefix, codec), part in zip(self.halves.items(), self._halves_of(x, valid)):
             fields.update({prefix + k: v for k, v in codec.encode(part).items()})
         return fields
 
     def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
-        if self.observing:
-            self.observe(x, valid)
-        self.frame(x.device)
-        for (prefix, codec), part in zip(self.halves.items(), self._halves_of(x)):
+        for (prefix, codec), part in zip(self.halves.items(), self._halves_of(x, valid)):
             codec.encode_into(part, None, {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)})
 
-    def _halves_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x (B, H, T, D)` in the channel order `perm` -> its high-energy and low-energy channels."""
+    def _halves_of(self, x: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x (B, H, T, D)` in the channel order `perm` (observed first if not yet) -> its high-energy and low-energy
+        channels."""
+        if self.observing:
+            self.observe(x, valid)
+        self.frame(x.device)  # R on this device, made in eager code (the prefill): a compiled step only reads it
         perm = self.state["perm"].to(x.device).long()[:, :, None, :].expand(-1, -1, x.shape[2], -1)
         xs = torch.gather(x, -1, perm)
         return xs[..., : self.high], xs[..., self.high:]

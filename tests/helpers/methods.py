@@ -24,3 +24,6 @@ STATIC_METHODS = [("exact", {}, {"sink_tokens": 2})] + METHODS
 # paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py; TurboQuant's, whose row here
 # has QJL keys that no kernel reads, in tests/kernels/test_turbo.py).
 KERNEL_METHODS = [m for m in METHODS if not m[0].startswith(("kvquant", "rotated", "turboquant"))]
+# TurboQuant through its kernels (the matrix's row above has QJL keys, which no kernel reads): the energy split's
+# channel orders, sinks and a FIFO window
+TURBOQUANT_KERNEL = ("turboquant-3", {}, {"sink_tokens": 2, "residual_length": 4})

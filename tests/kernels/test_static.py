@@ -10,16 +10,14 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 
 from hf_kvcache import _compat, kernels, make_cache
-from tests.helpers.methods import STATIC_METHODS as METHODS
+from tests.helpers.methods import STATIC_METHODS as METHODS, TURBOQUANT_KERNEL
 from tests.helpers.tiny_models import left_padded_batch, tiny_model
 
 # Each kernel and operator once: FP8 (sinks + a FIFO ring), KIVI (the block flush and its pack flag, per-token INT
 # values in a ring, sinks), KVQuant's NUQ kernel (pre-RoPE keys, outlier slots, a sink), RotatedCache (the
-# Hadamard operator in front of per-token INT groups) and TurboQuant's kernel (the energy split's channel orders,
-# sinks and a FIFO ring; the matrix's row has QJL keys, which no kernel reads). `exact` shares FP8's path; on CUDA
-# every method runs.
-CASES = [m for m in METHODS if m[0] in ("fp8-e4m3", "kivi-2", "kvquant-3", "rotated-4")] + [
-    ("turboquant-3", {}, {"sink_tokens": 2, "residual_length": 4})]
+# Hadamard operator in front of per-token INT groups) and TurboQuant's kernels (`TURBOQUANT_KERNEL`). `exact`
+# shares FP8's path; on CUDA every method runs.
+CASES = [m for m in METHODS if m[0] in ("fp8-e4m3", "kivi-2", "kvquant-3", "rotated-4")] + [TURBOQUANT_KERNEL]
 
 
 @pytest.mark.parametrize("spec,easy,hard", CASES, ids=[c[0] for c in CASES])
