@@ -137,21 +137,24 @@ def _side(SC, Z, tile, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, FMT: 
 
 
 @triton.jit
-def _plane(byte, P: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr):
-    """Plane P of packed bytes `byte` (int32): the codes of elements PER*j + P, as exact DT values OFF + code.
-    OFF > 0 writes the code into the mantissa of OFF (128 in bf16 for codes < 128, 1024 in fp16): two integer
-    operations and a reinterpretation instead of an int-to-float conversion; the caller removes OFF * sum(other
-    operand) after the product."""
+def _plane(byte, P: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr, CENTER: tl.constexpr):
+    """Plane P of packed bytes `byte` (int32): the codes of elements PER*j + P, centered, as exact DT values
+    `code - CENTER`. OFF > 0 first writes the code into the mantissa of OFF (128 in bf16 for codes < 128, 1024 in
+    fp16: two integer operations and a reinterpretation instead of an int-to-float conversion), then subtracts
+    OFF + CENTER in DT, which is exact. Centering matters: an operand of OFF + code carries a constant 100-1000x the
+    code into every product, and the tensor cores' accumulation across tiles (not IEEE fp32: it drifts with the
+    tiles a split sums) then loses the code under it (measured on the H200: 44-155% relative error at batch 16-64 x
+    32k for whole-row int4, 3-11% for int8, before; BENCHMARKS.md, 2026-12-02)."""
     if BITS == 8:
         c = byte
     else:
         c = (byte >> (P * BITS)) & ((1 << BITS) - 1)
     if OFF == 128:
-        x = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        x = (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + CENTER)
     elif OFF == 1024:
-        x = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        x = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + CENTER)
     else:
-        x = c.to(tl.float32).to(DT)
+        x = (c - CENTER).to(tl.float32).to(DT)
     return x
 
 
@@ -163,16 +166,16 @@ def _q_plane(Q, qoff, row_ok, j, P: tl.constexpr, PER: tl.constexpr):
 
 @triton.jit
 def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-                  OFF: tl.constexpr):
-    """sum over planes of q_P . (OFF + code_P): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys."""
+                  OFF: tl.constexpr, CENTER: tl.constexpr):
+    """sum over planes of q_P . (code_P - CENTER): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys."""
     PER: tl.constexpr = 8 // BITS
     byte = tl.load(kc + tok[:, None] * skc_t + jk[None, :]).to(tl.int32)
-    s = _dot(q0, tl.trans(_plane(byte, 0, BITS, DT, OFF)), PREC)
+    s = _dot(q0, tl.trans(_plane(byte, 0, BITS, DT, OFF, CENTER)), PREC)
     if PER > 1:
-        s += _dot(q1, tl.trans(_plane(byte, 1, BITS, DT, OFF)), PREC)
+        s += _dot(q1, tl.trans(_plane(byte, 1, BITS, DT, OFF, CENTER)), PREC)
     if PER > 2:
-        s += _dot(q2, tl.trans(_plane(byte, 2, BITS, DT, OFF)), PREC)
-        s += _dot(q3, tl.trans(_plane(byte, 3, BITS, DT, OFF)), PREC)
+        s += _dot(q2, tl.trans(_plane(byte, 2, BITS, DT, OFF, CENTER)), PREC)
+        s += _dot(q3, tl.trans(_plane(byte, 3, BITS, DT, OFF, CENTER)), PREC)
     return s
 
 
@@ -242,6 +245,18 @@ def _place_tile(S_, Rs, N_, C, SC, Z, ss_t, sr_t, sn_t, sc_t, ssc_t, ssc_c, fp8_
     x += tl.load(Rs + rk * sr_t + d, mask=in_res, other=0.0).to(tl.float32)
     x += tl.load(N_ + nk * sn_t + d, mask=in_new, other=0.0).to(tl.float32)
     return x.to(DT)
+
+
+@triton.jit
+def _accumulate(acc, alpha, tile, unit, TILE_ACC: tl.constexpr):
+    """acc * alpha + tile, the body's running sum of p . v. TILE_ACC: the tile's products summed apart and added in
+    fp32 on the CUDA cores (`unit` is 1.0, a run-time value that keeps Triton from folding the sum into the
+    tensor-core accumulator); otherwise the products accumulate onto acc inside the tensor cores."""
+    if TILE_ACC:
+        out = acc * alpha[:, None] + tile * unit
+    else:
+        out = acc * alpha[:, None] + tile
+    return out
 
 
 @triton.jit
@@ -317,14 +332,14 @@ def _attn_fwd(
     MASK, sm_b, sm_t, sm_s,
     ACC, M_OUT, L_OUT, LENS, cap_len,
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
-    sm_scale, softcap,
+    sm_scale, softcap, unit,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
     CAUSAL_BODY: tl.constexpr, K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
     MASK_ROW: tl.constexpr = False, STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
-    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False,
+    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False, TILE_ACC: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     k_off = 0
@@ -397,7 +412,7 @@ def _attn_fwd(
             q_pow2 = tl.exp2(-tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1e-30) * (1.0 / 32768.0))), 0.0))
         qp = (qf * q_pow2).to(PDT)
         if K_PLANES:
-            # query planes, rounded as the products see them; their sums undo OFF and the zeros
+            # query planes, rounded as the products see them; their sums carry the zeros and the codes' centers
             q0 = (_q_plane(Q, qoff, row_ok, jk, 0, KPER).to(tl.float32) * q_pow2).to(PDT)
             q1 = q0
             q2 = q0
@@ -412,7 +427,10 @@ def _attn_fwd(
         acc1 = acc0
         acc2 = acc0
         acc3 = acc0
-        extra = tl.zeros((BLOCK_M,), tl.float32)  # sum_n p_n (zero_n - OFF * scale_n) for per-token values
+        # sum_n p_n (zero_n + KC * scale_n) for asymmetric per-token values: the codes enter the products centered
+        extra = tl.zeros((BLOCK_M,), tl.float32)
+        KC: tl.constexpr = 1 << (K_BITS - 1)  # the codes' centers (`_plane`)
+        VC: tl.constexpr = 1 << (V_BITS - 1)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
         # scales and zeros of the first tile; each iteration loads the next tile's (the last one reloads its own);
@@ -449,15 +467,16 @@ def _attn_fwd(
                     qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
                     qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
-                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF)
-                s += (tl.sum(qf * kz_t[None, :], 1) - K_OFF * qs_sum)[:, None]
+                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, KC)
+                if not K_SYM:  # q.k = (q * s) . (c - KC) + q . z + KC * sum(q * s)
+                    s += (tl.sum(qf * kz_t[None, :], 1) + KC * qs_sum)[:, None]
             elif K_PLANES:
-                # one group per token row: q.k = scale * (q . c) + zero * sum(q)
-                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF) / q_pow2
+                # one group per token row: q.k = scale * (q . (c - KC)) + (zero + KC * scale) * sum(q)
+                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, KC) / q_pow2
                 if K_SYM:
-                    s = (s - (K_OFF + (1 << (K_BITS - 1))) * q_sum[:, None]) * k0[None, :]
+                    s = s * k0[None, :]
                 else:
-                    s = (s - K_OFF * q_sum[:, None]) * k0[None, :] + q_sum[:, None] * kz_t[None, :]
+                    s = s * k0[None, :] + q_sum[:, None] * (kz_t + KC * k0)[None, :]
             else:
                 kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
@@ -478,28 +497,30 @@ def _attn_fwd(
             # ---- values
             if V_FMT != 3:
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
-                acc0 = acc0 * alpha[:, None] + _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC)
+                acc0 = _accumulate(acc0, alpha, _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC), unit, TILE_ACC)
             elif V_PLANES:
-                # one group per token row: sum_n p_n v_n = (p * scale) . c + sum_n p_n zero_n; p * scale is
-                # clamped to fp16's largest value when the products are fp16 (a scale past it is not a real cache)
+                # one group per token row: sum_n p_n v_n = (p * scale) . (c - VC) + sum_n p_n (zero_n + VC * scale_n);
+                # p * scale is clamped to fp16's largest value when the products are fp16 (a scale past it is not a
+                # real cache)
                 ps = p * v0[None, :]
                 if PDT != DT:
                     ps = tl.minimum(ps, 65504.0)
                 ps = ps.to(PDT)
-                if V_SYM:
-                    extra = extra * alpha - (V_OFF + (1 << (V_BITS - 1))) * tl.sum(ps.to(tl.float32), 1)
-                else:
-                    extra = extra * alpha + tl.sum(p * vz_t[None, :] - V_OFF * ps.to(tl.float32), 1)
+                if not V_SYM:
+                    extra = extra * alpha + tl.sum(p * (vz_t + VC * v0)[None, :], 1)
                 byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
-                acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF), PREC)
+                acc0 = _accumulate(acc0, alpha, _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF, VC), PREC), unit, TILE_ACC)
                 if VPER > 1:
-                    acc1 = acc1 * alpha[:, None] + _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF), PREC)
+                    acc1 = _accumulate(acc1, alpha, _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF, VC), PREC), unit,
+                                       TILE_ACC)
                 if VPER > 2:
-                    acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF), PREC)
-                    acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF), PREC)
+                    acc2 = _accumulate(acc2, alpha, _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF, VC), PREC), unit,
+                                       TILE_ACC)
+                    acc3 = _accumulate(acc3, alpha, _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF, VC), PREC), unit,
+                                       TILE_ACC)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
-                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+                acc0 = _accumulate(acc0, alpha, _dot(p.to(DT), vt.to(DT), PREC), unit, TILE_ACC)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:
             tl.store(ptr, acc0 * v_scale)

@@ -32,6 +32,9 @@ TUNING = {
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
     # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
+    # the body's p . v summed per tile and added on the CUDA cores, instead of accumulated in the tensor cores
+    # (`decode._accumulate`)
+    "tile_accumulate": os.environ.get("HF_KVCACHE_TILE_ACCUMULATE", "0") == "1",
     # TurboQuant's kernel (`turbo.py`): its codebook lookup, "registers" (PTX, fp16 products) or "load"
     # (BENCHMARKS.md, 2026-12-01: x0.84 against x0.28 at batch 16 x 32k), its tiles, warps and stages
     "turbo_lookup": os.environ.get("HF_KVCACHE_TURBO_LOOKUP", "registers"),
@@ -125,8 +128,9 @@ def _planes(fmt, head_dim: int, keys: bool) -> bool:
 
 def _fp16_exact(fmt, head_dim: int, keys: bool) -> bool:
     """Whether the body converts this stream's codes to fp16 exactly and multiplies nothing else into that operand:
-    fp8, or integer codes of one group per token row read as planes (1024 + c). Per-channel key blocks (q * scale)
-    and whole-tile dequantization (code * scale + zero) are not: their operands could leave fp16's range."""
+    fp8, or integer codes of one group per token row read as planes (c - 2^(bits-1), `decode._plane`). Per-channel
+    key blocks (q * scale) and whole-tile dequantization (code * scale + zero) are not: their operands could leave
+    fp16's range."""
     if fmt.kind in FP8_KINDS:
         return True
     return _planes(fmt, head_dim, keys) and fmt.token_group == 1
@@ -300,7 +304,7 @@ def decode_attention(
         part_acc, part_m, part_l, *_length_args(static, dummy),
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
         stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
-        float(scaling), float(softcap or 0.0),
+        float(scaling), float(softcap or 0.0), 1.0,
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=decode.tl.float16 if pdt != query.dtype else dt,
@@ -308,6 +312,7 @@ def decode_attention(
         CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
+        TILE_ACC=TUNING["tile_accumulate"],
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
     )
