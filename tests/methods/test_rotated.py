@@ -71,6 +71,37 @@ def test_fusion_keeps_the_default_models_logits(default_model):
     assert rel < 1e-4, f"fused logits differ by {rel:.2e} (relative)"
 
 
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_rotated_cache_on_a_bf16_model_stays_within_bf16_noise(default_model, device):
+    """A bf16 model takes the fusion (its check runs in float32) and its logits after it stay as close to the float32
+    model's as the unfused bf16 model's are (measured on CPU: 1.49% against 1.38% RMS on text); then it generates."""
+    from hf_kvcache import load_model
+    from hf_kvcache.eval.corpus import dev_text, tokenize_corpus
+
+    ref_model, tokenizer = default_model
+    ids = tokenize_corpus(tokenizer, dev_text())[5000:5128][None]
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        model, _ = load_model(dtype=torch.bfloat16, device=device)
+        unfused = model(ids.to(device)).logits.cpu()
+        cache = make_cache("rotated-4", model)
+        try:
+            fused = model(ids.to(device)).logits.cpu()
+            out = model.generate(ids[:, :64].to(device), max_new_tokens=8, do_sample=False,
+                                 **_compat.cache_kwargs(cache))
+        finally:
+            unfuse(model)
+    noise, err = _rel(unfused, ref), _rel(fused, ref)
+    assert err <= 1.25 * noise + 1e-3, f"fused bf16 logits {err:.2%} from float32's, unfused bf16 {noise:.2%}"
+    assert out.shape == (1, 72)
+
+
 def test_same_rotation_is_reused_and_a_different_one_refused():
     model = tiny_model("llama")
     a = RotatedCache.from_model(model, bits=4)
@@ -107,13 +138,14 @@ def test_a_value_normalization_is_refused():
 
 
 def test_a_value_path_that_is_not_linear_is_caught_by_the_probe_and_restored():
-    """A nonlinearity hidden inside the output projection: the probe sees the logits change, the weights go back."""
+    """A nonlinearity hidden inside the output projection: the float32 probe of the attention sees its output change,
+    and no weight is touched."""
     model = tiny_model("llama")
     for layer in model.model.layers:
         proj = layer.self_attn.o_proj
         proj.register_forward_pre_hook(lambda module, args: (torch.tanh(args[0]),))
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="changed its logits"):
+    with pytest.raises(ValueError, match="not linear per head"):
         make_cache("rotated-4", model)
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
     assert current_fusion(model) is None
