@@ -110,8 +110,10 @@ def hf_kvcache_attention(
     query = key.layer.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
     softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
     if getattr(key.layer, "is_static", False):
-        return static_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux), None
-    if kernels.use_kernels(query.device):
+        out = static_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
+        if out is not None:
+            return out, None
+    elif kernels.use_kernels(query.device):
         out = fused_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
         if out is not None:
             return out, None

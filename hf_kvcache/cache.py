@@ -597,8 +597,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         `quantize_before_attention`: the fused read path's reference, used by the CPU attention."""
         n_new = k_new.shape[2]
         stop = self.held_tokens if self.quantize_before_attention else self.held_tokens - n_new
-        ks = self._streams["keys"].iter_chunks(self.dtype, chunk_tokens, stop)
-        vs = self._streams["values"].iter_chunks(self.dtype, chunk_tokens, stop)
+        ks = self._stream_chunks("keys", chunk_tokens, stop)
+        vs = self._stream_chunks("values", chunk_tokens, stop)
         # The two streams may be split into places differently (KIVI): re-chunk them to common boundaries.
         kbuf, vbuf = [], []
         kn = vn = 0
@@ -616,6 +616,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             kn, vn = kn - c, vn - c
         if not self.quantize_before_attention and n_new:
             yield k_new, v_new
+
+    def _stream_chunks(self, name: str, chunk_tokens: int, stop: int) -> Iterator[torch.Tensor]:
+        return self._streams[name].iter_chunks(self.dtype, chunk_tokens, stop)
 
     def _window_excess(self) -> int:
         """How many of the oldest held tokens the next `update()` drops before appending (0 if full)."""

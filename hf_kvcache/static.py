@@ -201,6 +201,39 @@ class _StaticStream:
             full.index_copy_(2, dest, self.ring[:, :, :r].to(dtype))
         return full[:, :, :cap]
 
+    # --- the dynamic form's read (eager, the fused path's reference): what is held, in the pieces and order of
+    # `cache._Stream.iter_chunks`, so that an eager step of either form sums the same values in the same order (a
+    # reordered float sum moves the next K/V by rounding, and a quantized cache turns that into flipped codes:
+    # greedy tokens of the default model parted after ~20 steps when the static form attended over its capacity)
+    def _residual(self, n_res: int, off: int) -> torch.Tensor:
+        """`(B, H, n_res, D)`: the residual window's tokens in order, from their ring rows."""
+        idx = (off + torch.arange(n_res, device=self.ring.device)) % self.ring_length
+        return self.ring.index_select(2, idx)
+
+    def iter_chunks(self, dtype: torch.dtype, chunk_tokens: int, stop: int, held: int):
+        """Held tokens `[0, stop)` dequantized in the pieces `_Stream.iter_chunks` gives: `(B, H, c, D)`."""
+        n_sink, n_packed, n_res, off = self.split(held)
+        pos = 0
+        if n_sink and pos < stop:
+            x = self.sink[:, :, :n_sink][:, :, : stop - pos].to(dtype)
+            pos += x.shape[2]
+            yield x
+        b = self.codec.block_size
+        n_blocks = -(-n_packed // b)
+        step = max(chunk_tokens // b, 1)
+        for i in range(0, n_blocks, step):
+            if pos >= stop:
+                return
+            j = min(i + step, n_blocks)
+            x = self.codec.decode({k: v[:, :, i:j] for k, v in self.packed.items()}, dtype)
+            x = x[:, :, : min(n_packed - i * b, stop - pos)]
+            pos += x.shape[2]
+            yield x
+        if n_res and pos < stop:
+            r = self._residual(n_res, off)
+            for i in range(0, min(n_res, stop - pos), chunk_tokens):
+                yield r[:, :, i : min(i + chunk_tokens, stop - pos)].to(dtype)
+
     def kernel_view(self) -> StreamTensors | None:
         fmt = self.codec.packed_format()
         if fmt is None:
@@ -344,6 +377,9 @@ class StaticQuantizedKVLayer(QuantizedKVLayer):
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
         return self._dense("keys", key_states, p), self._dense("values", value_states, p)
 
+    def _stream_chunks(self, name: str, chunk_tokens: int, stop: int):
+        return self._streams[name].iter_chunks(self.dtype, chunk_tokens, stop, self._host_held())
+
     def _stored_dense(self, name: str, new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """`(B, Hkv, max_cache_len, D)` of one stream in the stored frame (keys rotated for RotatedCache), the new
         tokens at held indices `p` exact unless `quantize_before_attention`."""
@@ -375,6 +411,9 @@ class StaticQuantizedKVLayer(QuantizedKVLayer):
         return self._host_held() if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The whole capacity, eager or not: `generate` builds the mask of a compileable cache eagerly, before the step
+        # it compiles. The dense path therefore attends over the capacity under that mask, a longer float sum than
+        # the dynamic form's, which rounds differently; the fused path reads only what is held (`iter_kv_chunks`).
         return self.max_cache_len, 0
 
     def get_seq_length(self):
@@ -465,8 +504,9 @@ def check_max_cache_len(max_cache_len) -> int | None:
 def static_attention(query, key: KVHandle, value: KVHandle, attention_mask, scaling: float, softcap=None,
                      s_aux=None) -> torch.Tensor:
     """The fused read of a static layer -> `(B, Tq, Hq, D)` in the query dtype: the static kernel on CUDA (the
-    operator `hf_kvcache::static_attention` under torch.compile), else attention over `dense_kv` (the reference,
-    CPU and formats no kernel reads)."""
+    operator `hf_kvcache::static_attention` under torch.compile); else, while tracing, attention over `dense_kv` (the
+    whole capacity, masked); else None: the caller reads it as the dynamic form (`reference_attention` over
+    `iter_kv_chunks`)."""
     layer = key.layer
     keys, values = layer.key_stream.kernel_view(), layer.value_stream.kernel_view()
     b, hq, tq, d = query.shape
@@ -485,6 +525,8 @@ def static_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
             query, keys, values, key.new, value.new, layer.static_layout(), exact_new=exact_new,
             attention_mask=attention_mask, scaling=scaling, softcap=softcap, s_aux=s_aux,
         )
+    if not _compiling():
+        return None
     return _dense_attention(query, key, value, attention_mask, scaling, softcap, s_aux)
 
 
