@@ -25,42 +25,62 @@ __all__ = ["BASELINE", "DEFAULT_METHODS", "EvalConfig", "main", "run_eval", "spl
 BASELINE = "none"
 # The demo's methods: the baseline, FP8 and INT, and one preset of each family that needs no calibration file.
 DEFAULT_METHODS = ("none", "fp8-e4m3", "int8", "int4-g32", "int2-g32", "kivi-2", "rotated-4", "turboquant-4")
-PROTOCOLS = ("stream", "paper", "both")
+PROTOCOLS = ("decode", "strict", "stream")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTIONS = ("hf_kvcache", "sdpa", "eager")
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Everything a run measures. The defaults are DESIGN.md's (4 windows of 1024 tokens, chunks of 64,
-    128 unscored), so figures compare across runs; `QUICK` shrinks every size for tests."""
+    """Everything a run measures. The defaults are DESIGN.md's decode protocol at its CPU size (8 windows, a prefill
+    of 1024 tokens, 64 decoded), so figures compare across runs; `QUICK` shrinks every size for tests.
+
+    `protocols`: "decode" (prefill `prefill` tokens, then `decode_tokens` fed one at a time; one result per prefill
+    length), "strict" (every K/V quantized before attention, one forward per window of `context` tokens) and
+    "stream" (chunks of `chunk` tokens, each attending exactly to itself: an option, never a headline); `windows`
+    counts every protocol's windows. `attention`: the model's attention ("hf_kvcache", the fused path: the kernels
+    on CUDA, the reference on CPU); `backend` picks kernels or reference (`hf_kvcache.kernels.set_backend`)."""
 
     methods: tuple[str, ...] = DEFAULT_METHODS
-    protocol: str = "both"
+    protocols: tuple[str, ...] = ("decode",)
+    prefill: tuple[int, ...] = (1024,)
+    decode_tokens: int = 64
+    windows: int = 8
+    batch_size: int | None = None  # decode windows per batch (None: all of them at once)
     context: int = 1024
     chunk: int = 64
-    windows: int = 4
     skip: int = 128
     text: str | None = None  # None: the dev corpus (pydoc_data.topics)
     passkey: bool = True
     passkey_lengths: tuple[int, ...] = (1024, 2048)
     passkey_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     passkey_trials: int = 1
-    passkey_chunk: int = 256
+    retrieval: tuple[str, ...] = ()  # tasks of `hf_kvcache.eval.retrieval` (none by default: minutes on a GPU)
+    retrieval_lengths: tuple[int, ...] = (2048, 4096, 8192)
+    retrieval_samples: int = 50
+    retrieval_batch: int = 25
     model: str | None = None  # None: the embedded default
     dtype: str = "auto"
     device: str | None = None
+    attention: str = "hf_kvcache"
+    backend: str = "auto"
     progress: bool = True
 
 
 QUICK = {
+    "prefill": (96,),
+    "decode_tokens": 16,
+    "windows": 2,
     "context": 128,
     "chunk": 32,
-    "windows": 1,
     "skip": 32,
     "passkey_lengths": (256,),
     "passkey_depths": (0.5,),
     "passkey_trials": 1,
-    "passkey_chunk": 64,
+    "retrieval_lengths": (256,),
+    "retrieval_samples": 4,
+    "retrieval_batch": 4,
 }
 
 
@@ -89,9 +109,14 @@ def _torch_dtype(name: str):
 
 
 def _tasks_label(cfg: EvalConfig) -> str:
-    parts = [f"ppl{cfg.context}x{cfg.windows}" + ("" if cfg.protocol == "both" else cfg.protocol)]
+    parts = []
+    if "decode" in cfg.protocols:
+        parts.append("decode" + "+".join(str(p) for p in cfg.prefill) + f"x{cfg.windows}")
+    parts += [f"{p}{cfg.context}x{cfg.windows}" for p in ("strict", "stream") if p in cfg.protocols]
     if cfg.passkey:
         parts.append("passkey")
+    if cfg.retrieval:
+        parts.append("retrieval")
     if cfg.text:
         parts.append("text-" + Path(cfg.text).stem)
     return "-".join(parts)
@@ -138,18 +163,20 @@ def run_eval(
     """Measure every method of `cfg` and write a results directory under `out`. Returns `(path, metrics)`.
 
     `model` and `tokenizer` may be given (tests pass tiny ones); otherwise `load_model(cfg.model, ...)`.
-    The baseline `none` is always measured, first, in the same run: every delta is against it.
+    The baseline `none` is always measured, first, in the same run: every delta is against it, and the decode
+    protocol's KL and top-1 against its next-token distributions on the same windows.
     """
-    from . import patching
-    from .eval import corpus, memory, passkey, perplexity, report
+    from . import _compat, kernels, patching
+    from .eval import corpus, memory, passkey, perplexity, report, retrieval
 
     methods = list(dict.fromkeys(cfg.methods))
     if BASELINE in methods:
         methods.remove(BASELINE)
     methods.insert(0, BASELINE)
     cfg = replace(cfg, methods=tuple(methods))
-    if cfg.protocol not in PROTOCOLS:
-        raise UsageError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {cfg.protocol!r}")
+    unknown = set(cfg.protocols) - set(PROTOCOLS)
+    if unknown or not cfg.protocols:
+        raise UsageError(f"--protocol takes {', '.join(PROTOCOLS)} (comma-separated), got {','.join(cfg.protocols)!r}")
     descriptions = {spec: _describe(spec) for spec in methods}  # bad specs fail before the model loads
 
     if cfg.text:
@@ -165,60 +192,72 @@ def run_eval(
         from .models import load_model
 
         try:
-            model, tokenizer = load_model(cfg.model, dtype=_torch_dtype(cfg.dtype), device=cfg.device)
+            model, tokenizer = load_model(cfg.model, dtype=_torch_dtype(cfg.dtype), device=cfg.device,
+                                          attn_implementation=cfg.attention)
         except (ValueError, ModuleNotFoundError, FileNotFoundError) as error:
             raise UsageError(str(error)) from error
     from .models import model_name
 
     name = model_name(model)
     load_seconds = time.perf_counter() - started
-    factories = {spec: _factory(spec, model) for spec in methods}
     tokens = corpus.tokenize_corpus(tokenizer, text)
     try:
-        perplexity.window_starts(tokens.numel(), cfg.context, cfg.windows)
+        if "decode" in cfg.protocols:
+            for p in cfg.prefill:
+                perplexity.decode_windows(tokens.numel(), p, cfg.decode_tokens, cfg.windows)
+        if {"strict", "stream"} & set(cfg.protocols):
+            perplexity.window_starts(tokens.numel(), cfg.context, cfg.windows)
     except ValueError as error:
         raise UsageError(str(error)) from error
 
-    protocols = ["stream", "paper"] if cfg.protocol == "both" else [cfg.protocol]
-    entries = []
-    for spec in methods:
-        factory = factories[spec]
-        entry = {"spec": spec, "description": descriptions[spec]}
-        # Every method on the model it expects: the unfused one, which a RotatedCache's factory fuses again.
-        patching.unfuse(model)
-        calibrated = getattr(factory(), "calibration", None)
-        if calibrated is not None:  # which artifact a calibrated method read: its metadata, in the results
-            entry["calibration"] = calibrated.metadata
-        common = {"context": cfg.context, "windows": cfg.windows, "skip": cfg.skip, "progress": cfg.progress}
-        if "stream" in protocols:
-            entry["stream"] = perplexity.streaming_perplexity(
-                model, tokens, factory, chunk=cfg.chunk, desc=f"{spec} stream", **common
-            )
-            # The last window's cache was filled chunk by chunk with `context` tokens: that is the memory.
-            last = entry["stream"]["windows"][-1]
-            entry["memory"] = memory.memory_summary(model, last["cache_nbytes"], cfg.context)
-        if "paper" in protocols:
-            entry["paper"] = perplexity.paper_perplexity(
-                model, tokens, factory, desc=f"{spec} paper", **common
-            )
-        if "memory" not in entry:
-            entry["memory"] = memory.bytes_per_token(
-                model, factory, tokens, n_tokens=cfg.context, chunk=cfg.chunk
-            )
-        if cfg.passkey:
-            entry["passkey"] = passkey.passkey_grid(
-                model,
-                tokenizer,
-                factory,
-                cfg.passkey_lengths,
-                cfg.passkey_depths,
-                trials=cfg.passkey_trials,
-                chunk=cfg.passkey_chunk,
-                progress=cfg.progress,
-                desc=f"{spec} passkey",
-            )
-        entries.append(entry)
-        _log(_summary_line(entry, entries[0]))
+    entries, references = [], {}
+    with kernels.use_backend(cfg.backend):
+        factories = {spec: _factory(spec, model) for spec in methods}
+        for spec in methods:
+            factory = factories[spec]
+            entry = {"spec": spec, "description": descriptions[spec]}
+            # Every method on the model it expects: the unfused one, which a RotatedCache's factory fuses again.
+            patching.unfuse(model)
+            calibrated = getattr(factory(), "calibration", None)
+            if calibrated is not None:  # which artifact a calibrated method read: its metadata, in the results
+                entry["calibration"] = calibrated.metadata
+            if "decode" in cfg.protocols:
+                entry["decode"] = {}
+                for p in cfg.prefill:
+                    result = perplexity.decode_perplexity(
+                        model, tokens, factory, prefill=p, decode=cfg.decode_tokens, windows=cfg.windows,
+                        batch_size=cfg.batch_size, reference=references.get(p), keep_logprobs=spec == BASELINE,
+                        progress=cfg.progress, desc=f"{spec} decode {p}",
+                    )
+                    if spec == BASELINE:
+                        references[p] = result
+                    entry["decode"][str(p)] = {k: v for k, v in result.items() if k != "logprobs"}
+                # Memory: what one batch's cache held per row and token at the end of the longest prefill's run.
+                last = entry["decode"][str(max(cfg.prefill))]
+                entry["memory"] = memory.memory_summary(model, last["cache_nbytes"],
+                                                        last["cache_rows"] * (max(cfg.prefill) + cfg.decode_tokens))
+            common = {"context": cfg.context, "windows": cfg.windows, "skip": cfg.skip, "progress": cfg.progress}
+            if "strict" in cfg.protocols:
+                entry["strict"] = perplexity.strict_perplexity(model, tokens, factory, desc=f"{spec} strict", **common)
+            if "stream" in cfg.protocols:
+                entry["stream"] = perplexity.streaming_perplexity(model, tokens, factory, chunk=cfg.chunk,
+                                                                  desc=f"{spec} stream", **common)
+            if "memory" not in entry:
+                entry["memory"] = memory.bytes_per_token(model, factory, tokens, n_tokens=cfg.context,
+                                                         chunk=cfg.chunk)
+            if cfg.passkey:
+                entry["passkey"] = passkey.passkey_grid(
+                    model, tokenizer, factory, cfg.passkey_lengths, cfg.passkey_depths, trials=cfg.passkey_trials,
+                    progress=cfg.progress, desc=f"{spec} passkey",
+                )
+            if cfg.retrieval:
+                entry["retrieval"] = retrieval.retrieval_grid(
+                    model, tokenizer, factory, cfg.retrieval, cfg.retrieval_lengths, cfg.retrieval_samples,
+                    batch_size=cfg.retrieval_batch, progress=cfg.progress, desc=f"{spec} retrieval",
+                )
+            entries.append(entry)
+            _log(_summary_line(entry))
+    references.clear()
     patching.unfuse(model)  # the model leaves as it came
 
     metrics = {"model": name, "baseline": BASELINE, "methods": entries}
@@ -228,6 +267,8 @@ def run_eval(
         "model_name": name,
         "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(next(model.parameters()).device),
+        "device_name": _device_name(model),
+        "attn_implementation": _compat.attn_implementation(model.config),
         "corpus": cfg.text or "pydoc_data.topics (dev corpus)",
         "corpus_tokens": int(tokens.numel()),
         "descriptions": descriptions,
@@ -244,15 +285,30 @@ def run_eval(
     return path, metrics
 
 
-def _summary_line(entry: dict, baseline: dict) -> str:
+def _device_name(model) -> str:
+    import torch
+
+    device = next(model.parameters()).device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _summary_line(entry: dict) -> str:
     parts = [f"{entry['spec']}:"]
-    for protocol in ("stream", "paper"):
+    for p, result in (entry.get("decode") or {}).items():
+        if "delta_nll_pct" in result:
+            half = result["delta_interval"]["half_width"]
+            parts.append(f"decode {p}: nll {result['delta_nll_pct']:+.2f}%" + (f" +-{half:.2f}" if half else "")
+                         + f" kl {result['kl']:.4f} top-1 {result['top1']:.1%}")
+        else:
+            parts.append(f"decode {p}: nll {result['nll']:.4f}")
+    for protocol in ("strict", "stream"):
         if protocol in entry:
-            ppl, base = entry[protocol]["ppl"], baseline[protocol]["ppl"]
-            parts.append(f"{protocol} ppl {ppl:.3f} ({100 * (ppl - base) / base:+.2f}%)")
+            parts.append(f"{protocol} ppl {entry[protocol]['ppl']:.3f}")
     parts.append(f"{entry['memory']['ratio']:.3f}x bytes")
     if "passkey" in entry:
         parts.append(f"passkey {entry['passkey']['accuracy']:.0%}")
+    if "retrieval" in entry:
+        parts.append(f"retrieval {entry['retrieval']['accuracy']:.0%}")
     return "  ".join(parts)
 
 
@@ -266,6 +322,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)"
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument(
+        "--attention", choices=ATTENTIONS, default=None,
+        help="the model's attention (default hf_kvcache: the fused read of the packed cache, the Triton kernels on "
+        "CUDA and the PyTorch reference on CPU; sdpa and eager read the cache dequantized)",
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None,
+        help="kernels or the PyTorch reference for packing and attention (default auto: kernels on CUDA)",
+    )
     parser.add_argument(
         "--out", default="results", help="parent folder of the results directory (default: results/)"
     )
@@ -293,20 +358,29 @@ def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--protocol",
-        choices=PROTOCOLS,
         default=None,
-        help="perplexity protocol: streaming through the cache, paper (quantize before "
-        "attention), or both (default)",
+        metavar="P,P",
+        help="perplexity protocols, comma-separated: decode (the default: a prefill through the cache, then tokens "
+        "decoded one at a time, as generate does), strict (every K/V quantized before attention; 'paper' is its old "
+        "name) and stream (chunks that attend exactly to themselves: flatters every cache without an exact window)",
     )
-    parser.add_argument("--context", type=int, default=None, help="tokens per window (default 1024)")
+    parser.add_argument("--prefill", default=None, metavar="P,P",
+                        help="decode protocol: prefill lengths in tokens, one result each (default 1024)")
+    parser.add_argument("--decode-tokens", type=int, default=None,
+                        help="decode protocol: tokens decoded and scored after the prefill (default 64)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="decode protocol: windows per batch (default: all in one)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="strict and stream protocols: tokens per window (default 1024)")
     parser.add_argument(
-        "--chunk", type=int, default=None, help="tokens per forward when streaming (default 64)"
+        "--chunk", type=int, default=None, help="stream protocol: tokens per forward (default 64)"
     )
     parser.add_argument(
-        "--windows", type=int, default=None, help="windows spread over the corpus (default 4)"
+        "--windows", type=int, default=None, help="windows spread over the corpus, every protocol (default 8)"
     )
     parser.add_argument(
-        "--skip", type=int, default=None, help="unscored tokens at the start of each window (default 128)"
+        "--skip", type=int, default=None,
+        help="strict and stream protocols: unscored tokens at the start of each window (default 128)",
     )
     parser.add_argument(
         "--text", default=None, metavar="FILE", help="a UTF-8 text file instead of the dev corpus"
@@ -326,6 +400,16 @@ def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--passkey-trials", type=int, default=None, help="keys per (length, depth) (default 1)"
     )
+    parser.add_argument(
+        "--retrieval", default=None, metavar="T,T",
+        help="generated retrieval tasks, comma-separated: multikey, multivalue, vartrack, or all (default: none)",
+    )
+    parser.add_argument("--retrieval-lengths", default=None, metavar="L,L",
+                        help="retrieval prompt lengths in tokens (default 2048,4096,8192)")
+    parser.add_argument("--retrieval-samples", type=int, default=None,
+                        help="prompts per (task, length) (default 50)")
+    parser.add_argument("--retrieval-batch", type=int, default=None,
+                        help="retrieval prompts per generate call (default 25)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,9 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser(
         "compare",
         help="the demo: a preset of every method that needs no calibration on the default model, one table and plot",
-        description="Streaming and paper-protocol perplexity, passkey retrieval and bytes "
-        "per token of " + ", ".join(DEFAULT_METHODS) + " in one run (the options of `eval` change "
-        "what it measures, e.g. --methods kivi-4,kivi-2).",
+        description="Decode-protocol perplexity (KL and top-1 against the 16-bit cache), passkey retrieval and "
+        "bytes per token of " + ", ".join(DEFAULT_METHODS) + " in one run (the options of `eval` change what it "
+        "measures, e.g. --methods kivi-4,kivi-2).",
     )
     _add_common(compare)
     _add_eval_options(compare)
@@ -368,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="merge results directories into one table and one quality-vs-bytes figure")
     rep.add_argument("dirs", nargs="+", metavar="DIR", help="results directories written by eval/compare")
     rep.add_argument("--out", default="results", help="parent folder of the report's directory (default: results/)")
-    rep.add_argument("--protocol", choices=("stream", "paper"), default="stream", help="the figure's perplexity")
+    rep.add_argument("--protocol", choices=("decode", "strict", "stream"), default="decode",
+                     help="the figure's quality axis (default decode: each run's longest prefill, else strict, else stream)")
     _add_plan_parser(sub)
     sub.add_parser(
         "lm-eval", add_help=False,
@@ -422,6 +507,24 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
         raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from error
 
 
+def _protocols(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys("strict" if p == "paper" else p for p in (x.strip() for x in text.split(",")) if p))
+    bad = [p for p in names if p not in PROTOCOLS]
+    if bad or not names:
+        raise UsageError(f"--protocol takes {', '.join(PROTOCOLS)} (comma-separated), got {text!r}")
+    return names
+
+
+def _retrieval_tasks(text: str) -> tuple[str, ...]:
+    from .eval.retrieval import TASKS
+
+    names = TASKS if text.strip() == "all" else tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in TASKS]
+    if bad:
+        raise UsageError(f"--retrieval takes {', '.join(TASKS)} or all, got {text!r}")
+    return names
+
+
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     """The resolved config: explicit options over `--quick` over the defaults."""
     values: dict = dict(QUICK) if args.quick else {}
@@ -434,19 +537,29 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     )
     if args.methods is not None:
         values["methods"] = tuple(split_methods(args.methods))
-    for name in ("protocol", "context", "chunk", "windows", "skip", "text"):
+    if args.protocol is not None:
+        values["protocols"] = _protocols(args.protocol)
+    for name in ("context", "chunk", "windows", "skip", "text", "decode_tokens", "batch_size", "attention", "backend",
+                 "retrieval_samples", "retrieval_batch"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    if args.passkey_lengths is not None:
-        values["passkey_lengths"] = _int_list(args.passkey_lengths, "--passkey-lengths")
+    for name in ("prefill", "passkey_lengths", "retrieval_lengths"):
+        if getattr(args, name) is not None:
+            values[name] = _int_list(getattr(args, name), "--" + name.replace("_", "-"))
     if args.passkey_depths is not None:
         values["passkey_depths"] = _float_list(args.passkey_depths, "--passkey-depths")
     if args.passkey_trials is not None:
         values["passkey_trials"] = args.passkey_trials
+    if args.retrieval is not None:
+        values["retrieval"] = _retrieval_tasks(args.retrieval)
     cfg = EvalConfig(**values)
-    for name in ("context", "chunk", "windows"):
+    for name in ("context", "chunk", "windows", "decode_tokens", "retrieval_samples", "retrieval_batch"):
         if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name} must be positive, got {getattr(cfg, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.batch_size is not None and cfg.batch_size < 1:
+        raise UsageError(f"--batch-size must be positive, got {cfg.batch_size}")
+    if not cfg.prefill or any(p < 1 for p in cfg.prefill):
+        raise UsageError(f"--prefill takes positive token counts, got {cfg.prefill}")
     if not 0 <= cfg.skip < cfg.context:
         raise UsageError(f"--skip must be in [0, context), got {cfg.skip}")
     if cfg.passkey and not (cfg.passkey_lengths and cfg.passkey_depths):

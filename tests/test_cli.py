@@ -32,12 +32,12 @@ def test_compare_is_eval_with_the_defaults():
     assert resolve("eval") == EvalConfig()
     assert resolve("compare", "--methods", "kivi-4,kivi-2").methods == ("kivi-4", "kivi-2")
     assert EvalConfig().methods == DEFAULT_METHODS
-    assert (EvalConfig().context, EvalConfig().chunk, EvalConfig().windows, EvalConfig().skip) == (
-        1024,
-        64,
-        4,
-        128,
-    )
+    cfg = EvalConfig()  # DESIGN.md's decode protocol at its CPU size
+    assert (cfg.protocols, cfg.prefill, cfg.decode_tokens, cfg.windows, cfg.attention) == (
+        ("decode",), (1024,), 64, 8, "hf_kvcache")
+    assert resolve("eval", "--protocol", "decode,paper,stream").protocols == ("decode", "strict", "stream")
+    assert resolve("eval", "--prefill", "1024,6144", "--retrieval", "all").prefill == (1024, 6144)
+    assert resolve("eval", "--retrieval", "all").retrieval == ("multikey", "multivalue", "vartrack")
 
 
 def test_explicit_options_override_quick():
@@ -55,7 +55,7 @@ def test_explicit_options_override_quick():
         "--no-progress",
     )
     assert (cfg.context, cfg.windows, cfg.chunk) == (200, cli.QUICK["windows"], cli.QUICK["chunk"])
-    assert cfg.methods == ("int8",) and cfg.protocol == "stream"
+    assert cfg.methods == ("int8",) and cfg.protocols == ("stream",)
     assert cfg.passkey_depths == (0.0, 1.0) and cfg.progress is False
 
 
@@ -67,6 +67,9 @@ def test_explicit_options_override_quick():
         (["eval", "--passkey-depths", "0.5,2"], "passkey-depths"),
         (["eval", "--skip", "2000"], "--skip"),
         (["eval", "--text", "/nonexistent/corpus.txt"], "--text"),
+        (["eval", "--protocol", "decode,both"], "--protocol"),
+        (["eval", "--prefill", "0"], "--prefill"),
+        (["eval", "--retrieval", "needle"], "--retrieval"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
@@ -81,11 +84,13 @@ def tiny_config(**overrides):
     values = dict(
         cli.QUICK,
         methods=("int8", "none", "int2-g32"),
+        prefill=(40,),
+        decode_tokens=8,
+        windows=1,
         context=64,
         chunk=16,
         skip=8,
         passkey_lengths=(120,),
-        passkey_chunk=50,
         progress=False,
     )
     return EvalConfig(**{**values, **overrides})
@@ -101,28 +106,35 @@ def test_run_eval_writes_a_results_dir(tmp_path, tiny):
     model, tokenizer = tiny
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Some words of a small corpus. " * 40)
-    cfg = tiny_config(text=str(corpus))
+    cfg = tiny_config(text=str(corpus), protocols=("decode", "strict", "stream"), windows=2)
     path, metrics = run_eval(
         cfg, out=str(tmp_path / "results"), model=model, tokenizer=tokenizer, argv=["hf-kvcache", "eval"]
     )
-    assert path.name.startswith("eval__int8+int2-g32__llama__ppl64x1-passkey-text-corpus__")
+    assert path.name.startswith("eval__int8+int2-g32__llama__decode40x2-strict64x2-stream64x2-passkey-text-corpus__")
     assert [m["spec"] for m in metrics["methods"]] == ["none", "int8", "int2-g32"]  # baseline first
     for entry in metrics["methods"]:
-        assert {"stream", "paper", "memory", "passkey"} <= set(entry)
-        assert entry["stream"]["tokens"] == 64 - 8
+        assert {"decode", "strict", "stream", "memory", "passkey"} <= set(entry)
+        assert entry["stream"]["tokens"] == 2 * (64 - 8) and entry["decode"]["40"]["tokens"] == 2 * 8
+        assert "logprobs" not in entry["decode"]["40"]  # the baseline's distributions stay out of the JSON
+    int8, int2 = metrics["methods"][1]["decode"]["40"], metrics["methods"][2]["decode"]["40"]
+    assert 0 <= int8["kl"] < int2["kl"] and int2["top1"] <= int8["top1"] <= 1
     assert metrics["methods"][0]["memory"]["ratio"] == pytest.approx(2.0)  # float32 DynamicCache
     assert metrics["methods"][2]["memory"]["ratio"] < metrics["methods"][1]["memory"]["ratio"] < 1.0
+    assert metrics["methods"][1]["memory"]["n_tokens"] == 2 * (40 + 8)  # the decode protocol's cache: 2 rows
     config = json.loads((path / "config.json").read_text())
-    assert config["context"] == 64 and config["corpus"] == str(corpus) and config["command"] == "eval"
+    assert config["prefill"] == [40] and config["corpus"] == str(corpus) and config["command"] == "eval"
+    assert config["attn_implementation"] == model.config._attn_implementation
     assert set(config["versions"]) >= {"torch", "transformers", "hf_kvcache"}
-    assert "| `int2-g32` |" in (path / "table.md").read_text()
+    table = (path / "table.md").read_text()
+    assert "| `int2-g32` |" in table and "decode 40: ΔNLL %" in table and "strict Δ%" in table
 
 
 def test_run_eval_records_the_calibration_a_method_read(tmp_path, tiny):
     """Calibrated methods (conftest's artifacts for the tiny configs) write the artifact's metadata into the
     results; uncalibrated ones write none."""
     model, tokenizer = tiny
-    cfg = tiny_config(methods=("kvquant-3", "fp8-e4m3:scale=calibrated", "int8"), protocol="paper", passkey=False)
+    cfg = tiny_config(methods=("kvquant-3", "fp8-e4m3:scale=calibrated", "int8"), protocols=("strict",),
+                      passkey=False)
     _, metrics = run_eval(cfg, out=str(tmp_path), model=model, tokenizer=tokenizer)
     by_spec = {m["spec"]: m for m in metrics["methods"]}
     for spec in ("kvquant-3", "fp8-e4m3:scale=calibrated"):
@@ -137,23 +149,23 @@ def test_run_eval_runs_each_method_on_the_model_it_expects(tmp_path):
     from hf_kvcache.patching import current_fusion
 
     model, tokenizer = tiny_model("llama"), byte_tokenizer()
-    cfg = tiny_config(methods=("int8", "rotated-4", "int4-g32"), protocol="stream", passkey=False)
+    cfg = tiny_config(methods=("int8", "rotated-4", "int4-g32"), passkey=False)
     _, with_rotated = run_eval(cfg, out=str(tmp_path), model=model, tokenizer=tokenizer)
     assert current_fusion(model) is None
-    _, without = run_eval(tiny_config(methods=("int8", "int4-g32"), protocol="stream", passkey=False),
+    _, without = run_eval(tiny_config(methods=("int8", "int4-g32"), passkey=False),
                           out=str(tmp_path), model=model, tokenizer=tokenizer)
-    ppl = {run: {m["spec"]: m["stream"]["ppl"] for m in metrics["methods"]}
+    nll = {run: {m["spec"]: m["decode"]["40"]["nll"] for m in metrics["methods"]}
            for run, metrics in (("with", with_rotated), ("without", without))}
     for spec in ("none", "int8", "int4-g32"):
-        assert ppl["with"][spec] == ppl["without"][spec], spec
-    assert ppl["with"]["rotated-4"] != ppl["with"]["int4-g32"]
+        assert nll["with"][spec] == nll["without"][spec], spec
+    assert nll["with"]["rotated-4"] != nll["with"]["int4-g32"]
 
 
 def test_report_merges_runs_into_one_table_and_figure(tmp_path, tiny, capsys):
     from hf_kvcache.cli import main
 
     model, tokenizer = tiny
-    runs = [run_eval(tiny_config(methods=methods, protocol="stream", passkey=False), out=str(tmp_path / "r"),
+    runs = [run_eval(tiny_config(methods=methods, passkey=False), out=str(tmp_path / "r"),
                      model=model, tokenizer=tokenizer)[0] for methods in (("int8", "int4-g32"), ("int2-g32:sink_tokens=2",))]
     assert main(["report", *map(str, runs), "--out", str(tmp_path / "reports")]) == 0
     (path,) = (tmp_path / "reports").iterdir()
@@ -170,11 +182,11 @@ def test_report_merges_runs_into_one_table_and_figure(tmp_path, tiny, capsys):
 def test_run_eval_memory_without_streaming(tmp_path, tiny):
     pytest.importorskip("hf_kvcache.presets")
     model, tokenizer = tiny
-    cfg = tiny_config(methods=("int8",), protocol="paper", passkey=False)
+    cfg = tiny_config(methods=("int8",), protocols=("strict",), passkey=False)
     path, metrics = run_eval(cfg, out=str(tmp_path), model=model, tokenizer=tokenizer)
-    assert "ppl64x1paper__" in path.name
+    assert "__strict64x1__" in path.name
     int8 = metrics["methods"][1]
-    assert "stream" not in int8 and "passkey" not in int8 and int8["memory"]["n_tokens"] == 64
+    assert "decode" not in int8 and "passkey" not in int8 and int8["memory"]["n_tokens"] == 64
 
 
 def test_unbuildable_spec_is_a_usage_error(tmp_path, tiny):
@@ -199,12 +211,13 @@ def test_eval_quick_on_the_default_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| `none` |" in out and "| `int4-g32` |" in out
     (path,) = tmp_path.iterdir()
-    assert path.name.startswith("eval__int4-g32__smollm2-135m__ppl128x1-passkey__")
+    assert path.name.startswith("eval__int4-g32__smollm2-135m__decode96x2-passkey__")
     metrics = json.loads((path / "metrics.json").read_text())
     baseline, int4 = metrics["methods"]
     assert baseline["passkey"]["accuracy"] == 1.0  # the default model finds the key at 256 tokens
     assert 0 < int4["memory"]["ratio"] < 0.5
-    assert abs(int4["stream"]["ppl"] / baseline["stream"]["ppl"] - 1) < 0.2
+    result = int4["decode"]["96"]
+    assert abs(result["delta_nll_pct"]) < 20 and result["kl"] > 0 and 0.5 < result["top1"] <= 1
 
 
 @pytest.mark.parametrize(

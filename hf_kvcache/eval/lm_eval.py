@@ -5,11 +5,11 @@
 `kv_cache=int4-g32:sink_tokens=4;residual_length=32`):
 - generation tasks: every batch gets a fresh cache; lm-eval left-pads the batch and passes its attention mask,
   which the caches honour;
-- loglikelihood tasks: a single forward pass over context + continuation never reads a cache, so the input is
-  prefilled THROUGH a fresh cache in chunks of `chunk` tokens (each chunk attends to the stored, quantized
-  tokens before it and to its own exact tokens), and the logits of every chunk are what lm-eval scores. With the
-  default chunk of 64, a short continuation attends to its own chunk exactly and to the quantized context before
-  it: the streaming protocol of `hf-kvcache eval`.
+- loglikelihood tasks follow the decode protocol of `hf-kvcache eval`: a single forward pass over context +
+  continuation never reads a cache, so each request's context is prefilled through a fresh cache in one forward (as
+  `generate` prefills a prompt), and its continuation is then fed one token at a time, each scored token attending
+  exactly to itself and to the stored (quantized) tokens before it. (Rolling loglikelihood, the perplexity tasks,
+  decodes every token of a window that way.) Requests run one at a time.
 
 `pretrained` is the embedded default (`smollm2-135m`, also the default), a local HF model directory or a .gguf
 file (`hf_kvcache.load_model`); nothing is downloaded. lm-eval's command line does not discover third-party
@@ -50,11 +50,14 @@ def register() -> type:
     class HFKVCacheLM(HFLM):
         """lm-eval's HF model with a quantized KV cache (see the module docstring)."""
 
-        def __init__(self, pretrained=None, kv_cache: str = "none", chunk: int = 64, dtype: str = "auto",
-                     device: str | None = None, **kwargs):
+        def __init__(self, pretrained=None, kv_cache: str = "none", dtype: str = "auto", device: str | None = None,
+                     **kwargs):
             from .. import make_cache
             from ..models import DEFAULT_MODEL, load_model
 
+            if "chunk" in kwargs:
+                raise ValueError("kv_cache's chunked prefill (chunk=) is gone: loglikelihood requests now prefill the "
+                                 "context in one forward and decode the continuation token by token; drop chunk=")
             if pretrained is None or isinstance(pretrained, str):
                 torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
                 model, tokenizer = load_model(pretrained or DEFAULT_MODEL, dtype=torch_dtype, device=device)
@@ -62,9 +65,6 @@ def register() -> type:
             else:
                 model = pretrained
             self.kv_cache = _spec(kv_cache)
-            self.chunk = int(chunk)
-            if self.chunk < 1:
-                raise ValueError(f"chunk={chunk!r} must be a positive number of tokens")
             make_cache(self.kv_cache, model)  # a bad spec fails now, with make_cache's message
             from ..patching import unfuse
 
@@ -76,18 +76,32 @@ def register() -> type:
 
             return make_cache(self.kv_cache, self.model)
 
-        def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-            """Logits `(B, L, V)` of right-padded `inps (B, L)`, prefilled through a fresh cache in chunks."""
-            from .. import _compat
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            """`[(log p(continuation | context), whether greedy decoding gives it)]` of `[((context, continuation),
+            context ids, continuation ids)]`, by the decode protocol (see the module docstring)."""
+            import torch.nn.functional as F
+            from tqdm.auto import tqdm
 
-            cache = self._new_cache()
+            from .perplexity import forward_with_cache
+
             out = []
-            with torch.no_grad():
-                for start in range(0, inps.shape[1], self.chunk):
-                    step = self.model(inps[:, start : start + self.chunk], use_cache=True,
-                                      **_compat.cache_kwargs(cache))
-                    out.append(step.logits)
-            return torch.cat(out, dim=1)
+            for request, context_enc, continuation_enc in tqdm(
+                    requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood (decode protocol)"):
+                n = len(continuation_enc)
+                # as lm-eval's HF model: what does not fit max_length is cut from the left
+                ids = torch.tensor((context_enc + continuation_enc)[-(self.max_length + 1):][:-1], device=self.device)
+                split = ids.numel() - n + 1  # prefill through the last context token, which predicts cont[0]
+                cache = self._new_cache()
+                with torch.no_grad():
+                    steps = [forward_with_cache(self.model, ids[None, :split], cache, logits_to_keep=1)[:, -1]]
+                    for i in range(split, ids.numel()):
+                        steps.append(forward_with_cache(self.model, ids[None, i : i + 1], cache)[:, -1])
+                logp = F.log_softmax(torch.cat(steps).float(), dim=-1)  # (n, V)
+                cont = torch.tensor(continuation_enc, device=logp.device)
+                answer = (logp.gather(1, cont[:, None]).sum().item(), bool((logp.argmax(-1) == cont).all()))
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+                out.append(answer)
+            return out
 
         def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
             from .. import _compat

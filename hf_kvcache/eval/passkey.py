@@ -1,9 +1,10 @@
 """Passkey retrieval: a number hidden at depth d of a synthetic haystack of about L tokens, read back by
 greedy decoding through the cache.
 
-The prompt is prefilled THROUGH the cache in chunks (`chunk` tokens a forward), so every chunk after the
-first attends to stored K/V, then the answer is decoded token by token from the same cache: a single
-forward over the prompt would never read the cache, and the test would say nothing about quantization.
+The prompt is prefilled through the cache in one forward, as `generate` prefills it, then the answer is decoded
+token by token from the same cache: every answer token attends to the stored (quantized) prompt, and only to
+itself exactly. (`chunk=` prefills in chunks instead, each attending exactly to itself: the older, flattering
+protocol.)
 
 The haystack is made here from a few fixed filler sentences (no external data, same text every run). With
 the model's chat template (when it has one) the instruction, haystack and question go in one user turn and
@@ -137,16 +138,17 @@ def _stop_ids(tokenizer, model) -> set[int]:
 
 @torch.inference_mode()
 def passkey_trial(
-    model, tokenizer, cache, prompt: PasskeyPrompt, *, chunk: int = 256, max_new_tokens: int = 8
+    model, tokenizer, cache, prompt: PasskeyPrompt, *, chunk: int | None = None, max_new_tokens: int = 8
 ) -> dict:
-    """Prefill `prompt` through `cache` in chunks of `chunk` tokens, then greedy-decode up to
+    """Prefill `prompt` through `cache` (in one forward, or in chunks of `chunk` tokens), then greedy-decode up to
     `max_new_tokens` tokens from the same cache (stopping at eos). Success: the key appears in the answer
     as a whole number. Returns `{"length", "depth", "needle_start", "key", "answer", "answer_ids",
     "success"}`."""
     device = next(model.parameters()).device
     ids = prompt.input_ids.to(device)[None]  # (1, L)
-    for s in range(0, ids.shape[1], chunk):
-        logits = forward_with_cache(model, ids[:, s : s + chunk], cache, logits_to_keep=1)
+    step = chunk or ids.shape[1]
+    for s in range(0, ids.shape[1], step):
+        logits = forward_with_cache(model, ids[:, s : s + step], cache, logits_to_keep=1)
     stop = _stop_ids(tokenizer, model)
     generated = []
     next_id = logits[:, -1].argmax(dim=-1, keepdim=True)  # (1, 1)
@@ -187,7 +189,7 @@ def passkey_grid(
     trials: int = 1,
     seed: int = 0,
     *,
-    chunk: int = 256,
+    chunk: int | None = None,
     max_new_tokens: int = 8,
     progress: bool = True,
     desc: str | None = None,

@@ -13,9 +13,10 @@ The table and plot functions take rows, not directories, so a report over severa
 `table_rows(load_results(d)[0])` of each and reuse them. Deltas are always taken against the baseline of
 the same run (`metrics["baseline"]`), never across runs.
 
-METRICS: `{"model": str, "baseline": spec, "methods": [{"spec", "description", "memory":
-memory_summary, "stream": streaming_perplexity result, "paper": paper_perplexity result, "passkey":
-passkey_grid result}]}`; a method lacks the keys of what was not run.
+METRICS: `{"model": str, "baseline": spec, "methods": [{"spec", "description", "memory": memory_summary,
+"decode": {str(prefill): decode_perplexity result}, "strict": strict_perplexity result, "stream":
+streaming_perplexity result, "passkey": passkey_grid result, "retrieval": retrieval_grid result}]}`; a method lacks
+the keys of what was not run. Runs made before the decode protocol hold "paper" for what is now "strict".
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "create_results_dir",
     "environment",
     "format_table",
+    "headline",
     "load_results",
     "plot_ppl_vs_bytes",
     "results_dir_name",
@@ -45,8 +47,11 @@ __all__ = [
 TABLE_NOTE = (
     "vs 16-bit: bytes the cache holds per token / (2 bytes x K,V x layers x kv_heads x head_dim); "
     "the baseline `none` keeps the model dtype, so a float32 model's reads 2.000x. "
-    "Δ%: perplexity change against `none` of the same run. "
-    "stream: chunks attend to the stored cache; paper: K/V quantized before attention."
+    "decode P: a prefill of P tokens through the cache, then tokens decoded one at a time (teacher-forced), as "
+    "generate uses the cache; ΔNLL: change of their mean NLL against `none` on the same windows, ± the 95% interval "
+    "over windows; KL: mean KL(none || method) of the next-token distributions, nats; top-1: share of positions "
+    "where the method's most likely token is `none`'s. strict: every K/V quantized before attention; stream: chunks "
+    "that attend exactly to themselves (flatters every cache without an exact window). Their Δ% is of perplexity."
 )
 
 
@@ -143,14 +148,17 @@ def _delta_pct(value, base):
 
 
 def table_rows(metrics: dict) -> list[dict]:
-    """One row per method: `{"model", "method", "description", "bytes_per_token", "bytes_ratio",
-    "stream_ppl", "stream_delta_pct", "paper_ppl", "paper_delta_pct", "passkey", "passkey_by_length"}`
-    (None where not measured); deltas in % against the run's own baseline."""
+    """One row per method: `{"model", "method", "description", "bytes_per_token", "bytes_ratio", "decode": {P:
+    {"nll", "delta_pct", "half_width", "kl", "top1"}}, "strict_ppl", "strict_delta_pct", "stream_ppl",
+    "stream_delta_pct", "passkey", "passkey_by_length", "retrieval": {(task, length): accuracy}}` (None or empty
+    where not measured); deltas in % against the run's own baseline."""
     methods = metrics.get("methods", [])
     baseline = next((m for m in methods if m["spec"] == metrics.get("baseline")), None)
 
     def ppl(entry, protocol):
         result = (entry or {}).get(protocol)
+        if result is None and protocol == "strict":
+            result = (entry or {}).get("paper")  # runs made before the decode protocol
         return None if result is None else result.get("ppl")
 
     rows = []
@@ -164,8 +172,20 @@ def table_rows(metrics: dict) -> list[dict]:
             "bytes_ratio": memory.get("ratio"),
             "passkey": passkey.get("accuracy"),
             "passkey_by_length": passkey.get("by_length", {}),
+            "decode": {},
+            "retrieval": {(c["task"], str(c["length"])): c["accuracy"]
+                          for c in (entry.get("retrieval") or {}).get("cells", [])},
         }
-        for protocol in ("stream", "paper"):
+        for p, result in (entry.get("decode") or {}).items():
+            interval = result.get("delta_interval") or {}
+            row["decode"][p] = {
+                "nll": result.get("nll"),
+                "delta_pct": 0.0 if entry is baseline else result.get("delta_nll_pct"),
+                "half_width": interval.get("half_width"),
+                "kl": 0.0 if entry is baseline else result.get("kl"),
+                "top1": 1.0 if entry is baseline else result.get("top1"),
+            }
+        for protocol in ("strict", "stream"):
             row[f"{protocol}_ppl"] = ppl(entry, protocol)
             row[f"{protocol}_delta_pct"] = _delta_pct(row[f"{protocol}_ppl"], ppl(baseline, protocol))
         rows.append(row)
@@ -183,42 +203,53 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return format(value, spec) + suffix
 
 
+def _delta_cell(cell: dict | None) -> str:
+    if not cell or cell.get("delta_pct") is None:
+        return "-"
+    half = cell.get("half_width")
+    return f"{cell['delta_pct']:+.2f}" + (f" ± {half:.2f}" if half else "")
+
+
 def format_table(rows: list[dict], *, with_model: bool | None = None) -> str:
-    """A markdown table of `rows` (from `table_rows`, possibly of several runs). Passkey accuracy gets one
-    column per context length present; a model column appears when the rows span several models."""
+    """A markdown table of `rows` (from `table_rows`, possibly of several runs): bytes, then for each decode
+    prefill length present its ΔNLL (± interval), KL and top-1, then the strict and stream protocols' perplexity
+    change and passkey and retrieval accuracy where measured. A model column appears when the rows span models."""
     if with_model is None:
         with_model = len({r.get("model") for r in rows}) > 1
+    prefills = sorted({p for r in rows for p in r.get("decode", {})}, key=int)
+    protocols = [p for p in ("strict", "stream") if any(r.get(f"{p}_ppl") is not None for r in rows)]
     lengths = sorted({L for r in rows for L in r.get("passkey_by_length", {})}, key=int)
-    header = (
-        (["model"] if with_model else [])
-        + [
-            "method",
-            "bytes/token",
-            "vs 16-bit",
-            "stream ppl",
-            "Δ%",
-            "paper ppl",
-            "Δ%",
-        ]
-        + [f"passkey {_length_label(L)}" for L in lengths]
-    )
+    cells = sorted({c for r in rows for c in r.get("retrieval", {})}, key=lambda c: (c[0], int(c[1])))
+    header = (["model"] if with_model else []) + ["method", "bytes/token", "vs 16-bit"]
+    for p in prefills:
+        header += [f"decode {_length_label(p)}: ΔNLL %", "KL", "top-1"]
+    header += [f"{p} Δ%" for p in protocols]
+    header += [f"passkey {_length_label(L)}" for L in lengths]
+    header += [f"{task} {_length_label(L)}" for task, L in cells]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
-        cells = (
-            ([str(r.get("model") or "-")] if with_model else [])
-            + [
-                f"`{r['method']}`",
-                _fmt(r.get("bytes_per_token"), ".0f"),
-                _fmt(r.get("bytes_ratio"), ".3f", "x"),
-                _fmt(r.get("stream_ppl"), ".3f"),
-                _fmt(r.get("stream_delta_pct"), "+.2f"),
-                _fmt(r.get("paper_ppl"), ".3f"),
-                _fmt(r.get("paper_delta_pct"), "+.2f"),
-            ]
-            + [_fmt(r.get("passkey_by_length", {}).get(L), ".0%") for L in lengths]
-        )
-        lines.append("| " + " | ".join(cells) + " |")
+        line = ([str(r.get("model") or "-")] if with_model else []) + [
+            f"`{r['method']}`", _fmt(r.get("bytes_per_token"), ".0f"), _fmt(r.get("bytes_ratio"), ".3f", "x")]
+        for p in prefills:
+            cell = r.get("decode", {}).get(p)
+            line += [_delta_cell(cell), _fmt((cell or {}).get("kl"), ".4f"), _fmt((cell or {}).get("top1"), ".1%")]
+        line += [_fmt(r.get(f"{p}_delta_pct"), "+.2f") for p in protocols]
+        line += [_fmt(r.get("passkey_by_length", {}).get(L), ".0%") for L in lengths]
+        line += [_fmt(r.get("retrieval", {}).get(c), ".0%") for c in cells]
+        lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
+
+
+def headline(row: dict) -> tuple[str, float | None]:
+    """(protocol label, quality change in %) that figures plot for a row: the decode protocol at its longest prefill
+    when measured, else strict, else stream."""
+    if row.get("decode"):
+        p = max(row["decode"], key=int)
+        return f"decode {_length_label(p)} ΔNLL", row["decode"][p].get("delta_pct")
+    for protocol in ("strict", "stream"):
+        if row.get(f"{protocol}_delta_pct") is not None:
+            return f"{protocol} perplexity Δ", row[f"{protocol}_delta_pct"]
+    return "", None
 
 
 def _finish(fig, ax, path, ylabel: str, title: str, legend_loc: str) -> None:
@@ -234,9 +265,9 @@ def _finish(fig, ax, path, ylabel: str, title: str, legend_loc: str) -> None:
 
 
 def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str = "") -> Path:
-    """Scatter of perplexity delta (%) against bytes per token / 16-bit cache, one labelled point per
-    method: filled for the streaming protocol, hollow for the paper protocol. The y axis is symlog, since
-    fp8 moves perplexity by hundredths of a percent and int2 by tens."""
+    """Scatter of the quality change (%) against bytes per token / 16-bit cache, one labelled point per method:
+    the decode protocol's ΔNLL at the longest prefill (filled), the strict protocol's perplexity change (hollow).
+    The y axis is symlog, since fp8 moves the loss by hundredths of a percent and int2 by tens."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -246,36 +277,27 @@ def plot_ppl_vs_bytes(rows: list[dict], path: str | os.PathLike, *, title: str =
     try:
         ax.axhline(0.0, color="0.6", lw=0.8)
         ax.axvline(1.0, color="0.6", lw=0.8, ls="--", label="16-bit cache")
-        plotted = {"stream": False, "paper": False}
+        plotted = set()
         for r in rows:
             x = r.get("bytes_ratio")
             if x is None:
                 continue
-            for protocol, face in (("stream", "C0"), ("paper", "none")):
-                y = r.get(f"{protocol}_delta_pct")
-                if y is None:
+            label, y = headline(r)
+            points = [(label, y, "C0")]
+            if r.get("decode") and r.get("strict_delta_pct") is not None:
+                points.append(("strict perplexity Δ", r["strict_delta_pct"], "none"))
+            for name, value, face in points:
+                if value is None:
                     continue
-                ax.scatter(
-                    [x],
-                    [y],
-                    s=42,
-                    facecolors=face,
-                    edgecolors="C0",
-                    zorder=3,
-                    label=None if plotted[protocol] else f"{protocol} protocol",
-                )
-                plotted[protocol] = True
-            y = r.get("stream_delta_pct", None)
-            y = r.get("paper_delta_pct") if y is None else y
+                ax.scatter([x], [value], s=42, facecolors=face, edgecolors="C0", zorder=3,
+                           label=None if name in plotted else name)
+                plotted.add(name)
             if y is not None:
-                label = (
-                    r["method"]
-                    if not r.get("model") or len({q.get("model") for q in rows}) == 1
-                    else f"{r['method']} ({r['model']})"
-                )
-                ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-        _finish(fig, ax, path, "perplexity change vs the unquantized baseline `none` (%)",
-                f"perplexity vs KV-cache memory {('- ' + title) if title else ''}".strip(), "best")
+                many = len({q.get("model") for q in rows}) > 1
+                ax.annotate(f"{r['method']} ({r['model']})" if many and r.get("model") else r["method"], (x, y),
+                            textcoords="offset points", xytext=(5, 5), fontsize=8)
+        _finish(fig, ax, path, "change vs the unquantized baseline `none` (%)",
+                f"quality vs KV-cache memory {('- ' + title) if title else ''}".strip(), "best")
     finally:
         plt.close(fig)
     return Path(path)
@@ -303,10 +325,11 @@ def report_rows(dirs: list[str | os.PathLike]) -> list[dict]:
     return rows
 
 
-def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol: str = "stream",
+def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol: str = "decode",
                           title: str = "") -> Path:
     """One line per method family (the presets without overrides, joined in order of bytes: `int4-g64`,
-    `int4-g32`, ... or `rotated-4`, `-3`, `-2`), perplexity change (%, symlog) against bytes per token / 16-bit
+    `int4-g32`, ... or `rotated-4`, `-3`, `-2`), the quality change (%, symlog: `protocol` "decode" plots each
+    row's `headline`, "strict" or "stream" that protocol's perplexity change) against bytes per token / 16-bit
     cache; specs with overrides are unlabelled hollow markers (the table names them)."""
     import matplotlib
 
@@ -319,7 +342,8 @@ def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol
         families: dict[str, list[tuple[float, float, str]]] = {}
         extras = []
         for r in rows:
-            x, y = r.get("bytes_ratio"), r.get(f"{protocol}_delta_pct")
+            x = r.get("bytes_ratio")
+            y = headline(r)[1] if protocol == "decode" else r.get(f"{protocol}_delta_pct")
             if x is None or y is None or r["method"] == "none":
                 continue
             (extras if ":" in r["method"] else families.setdefault(_family(r["method"]), [])).append(
@@ -333,14 +357,15 @@ def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol
         if extras:  # ablations and variants: unlabelled here (they would crowd the lines), named in the table
             ax.scatter([e[0] for e in extras], [e[1] for e in extras], s=30, facecolors="none", edgecolors="0.4",
                        zorder=3, label="specs with overrides (see the table)")
-        _finish(fig, ax, path, f"{protocol} perplexity change vs `none` of the same run (%)",
+        ylabel = "decode ΔNLL (longest prefill)" if protocol == "decode" else f"{protocol} perplexity change"
+        _finish(fig, ax, path, f"{ylabel} vs `none` of the same run (%)",
                 f"quality vs KV-cache memory {('- ' + title) if title else ''}".strip(), "upper right")
     finally:
         plt.close(fig)
     return Path(path)
 
 
-def write_report(dirs: list[str | os.PathLike], out: str | os.PathLike, *, protocol: str = "stream",
+def write_report(dirs: list[str | os.PathLike], out: str | os.PathLike, *, protocol: str = "decode",
                  argv: list[str] | None = None) -> Path:
     """Merge results directories into a new one (`report__<n>runs__<date>`): `table.md` (every run's methods,
     deltas against each run's own baseline, and the list of runs), `quality_vs_bytes.png`

@@ -16,10 +16,9 @@ from tests.eval.test_passkey import byte_tokenizer  # noqa: E402
 from tests.helpers.tiny_models import tiny_input_ids, tiny_model  # noqa: E402
 
 
-def _lm(kv_cache: str, chunk: int = 16):
+def _lm(kv_cache: str):
     cls = register()
-    return cls(pretrained=tiny_model("llama"), tokenizer=byte_tokenizer(), kv_cache=kv_cache, chunk=chunk,
-               batch_size=2)
+    return cls(pretrained=tiny_model("llama"), tokenizer=byte_tokenizer(), kv_cache=kv_cache, batch_size=2)
 
 
 def test_register_is_idempotent_and_named():
@@ -28,18 +27,25 @@ def test_register_is_idempotent_and_named():
     assert register() is register() is get_model("hf-kvcache")
 
 
-def test_scoring_prefills_through_the_cache():
-    """kv_cache=none: chunked prefill through a DynamicCache gives a single forward's logits; int2: the
-    continuation attends to the quantized context, and the logits move."""
-    ids = tiny_input_ids(tiny_model("llama"), batch=2, length=70)
+def test_loglikelihood_prefills_the_context_then_decodes_the_continuation():
+    """kv_cache=none: the decode protocol gives a single forward's log-likelihood; int2: the continuation attends to
+    the quantized context and it moves. One prefill of the context, then one forward per continuation token."""
+    ids = tiny_input_ids(tiny_model("llama"), batch=1, length=60)[0].tolist()
+    context, continuation = ids[:48], ids[48:]
     plain = _lm("none")
     with torch.no_grad():
-        want = plain.model(ids).logits
-    torch.testing.assert_close(plain._model_call(ids), want, atol=1e-4, rtol=1e-4)
-    got = _lm("int2-g32")._model_call(ids)
-    first = (got[:, :16] - want[:, :16]).abs().max().item()
-    later = (got[:, 16:] - want[:, 16:]).abs().max().item()
-    assert first < 1e-4 < later, f"first chunk {first:.2e} (reads no cache), later chunks {later:.2e}"
+        logp = torch.log_softmax(plain.model(torch.tensor([ids])).logits[0].float(), -1)
+    want = logp[47:59].gather(1, torch.tensor(continuation)[:, None]).sum().item()
+    ((ll, greedy),) = plain._loglikelihood_tokens([(("c", "x"), context, continuation)])
+    assert ll == pytest.approx(want, abs=1e-3) and greedy is bool((logp[47:59].argmax(-1) == torch.tensor(continuation)).all())
+    int2 = _lm("int2-g32")
+    calls = []
+    int2.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
+                                         with_kwargs=True)
+    ((ll2, _),) = int2._loglikelihood_tokens([(("c", "x"), context, continuation)])
+    assert abs(ll2 - want) > 1e-3 and calls == [48] + [1] * 11
+    with pytest.raises(ValueError, match="chunk="):
+        register()(pretrained=tiny_model("llama"), tokenizer=byte_tokenizer(), kv_cache="none", chunk=64)
 
 
 def test_a_spec_with_overrides_and_a_bad_spec():

@@ -128,6 +128,9 @@ def test_prefill_goes_through_the_cache_in_chunks_then_decodes_from_it(model, to
     assert stored == tuple(range(0, prompt.length, 64)) + tuple(range(prompt.length, prompt.length + 5))
     assert len(result["answer_ids"]) == 6  # the tiny model has no eos: always max_new_tokens
     assert result["key"] == "12345" and result["success"] is False
+    cache = CountingCache(config=model.config)  # by default the prompt in one forward, as generate prefills it
+    passkey_trial(model, tokenizer, cache, prompt, max_new_tokens=3)
+    assert cache.steps == [(prompt.length, 0), (1, prompt.length), (1, prompt.length + 1)]
 
 
 def test_decode_loop_matches_generate(model, tokenizer):

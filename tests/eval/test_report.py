@@ -19,7 +19,9 @@ from hf_kvcache.eval.report import (
 )
 
 
-def method(spec, stream=None, paper=None, ratio=None, passkey=None):
+def method(spec, stream=None, paper=None, ratio=None, passkey=None, decode=None):
+    """A metrics entry; `paper` is stored under the key runs before the decode protocol used (now "strict");
+    `decode`: (nll, delta %, half-width, kl, top-1) of a prefill of 1024."""
     entry = {"spec": spec, "description": f"{spec} method"}
     if stream is not None:
         entry["stream"] = {"ppl": stream}
@@ -29,6 +31,10 @@ def method(spec, stream=None, paper=None, ratio=None, passkey=None):
         entry["memory"] = {"ratio": ratio, "bytes_per_token": ratio * 1000}
     if passkey is not None:
         entry["passkey"] = {"accuracy": sum(passkey.values()) / len(passkey), "by_length": passkey}
+    if decode is not None:
+        nll, delta, half, kl, top1 = decode
+        entry["decode"] = {"1024": {"nll": nll, "delta_nll_pct": delta, "delta_interval": {"half_width": half},
+                                    "kl": kl, "top1": top1}}
     return entry
 
 
@@ -38,8 +44,8 @@ def metrics():
         "model": "tiny",
         "baseline": "none",
         "methods": [
-            method("none", 10.0, 10.0, 1.0, {"1024": 1.0, "2048": 1.0}),
-            method("int4-g32", 10.5, 11.0, 0.3125, {"1024": 1.0, "2048": 0.5}),
+            method("none", 10.0, 10.0, 1.0, {"1024": 1.0, "2048": 1.0}, (2.0, None, None, None, None)),
+            method("int4-g32", 10.5, 11.0, 0.3125, {"1024": 1.0, "2048": 0.5}, (2.05, 2.5, 0.31, 0.0412, 0.9)),
             method("int2-g32", 20.0, float("nan"), 0.1875),
         ],
     }
@@ -85,20 +91,23 @@ def test_rows_take_deltas_against_the_run_baseline(metrics):
     rows = {r["method"]: r for r in table_rows(metrics)}
     assert rows["none"]["stream_delta_pct"] == 0.0
     assert rows["int4-g32"]["stream_delta_pct"] == pytest.approx(5.0)
-    assert rows["int4-g32"]["paper_delta_pct"] == pytest.approx(10.0)
-    assert rows["int2-g32"]["paper_delta_pct"] is None
+    assert rows["int4-g32"]["strict_delta_pct"] == pytest.approx(10.0)  # a run's "paper" is the strict protocol
+    assert rows["int2-g32"]["strict_delta_pct"] is None
     assert rows["int2-g32"]["passkey"] is None
     assert rows["int4-g32"]["bytes_ratio"] == 0.3125
+    assert rows["none"]["decode"]["1024"]["delta_pct"] == 0.0 and rows["none"]["decode"]["1024"]["top1"] == 1.0
+    assert rows["int4-g32"]["decode"]["1024"]["kl"] == 0.0412 and rows["int2-g32"]["decode"] == {}
 
 
 def test_table_format(metrics):
     table = format_table(table_rows(metrics))
     lines = table.splitlines()
     assert lines[0] == (
-        "| method | bytes/token | vs 16-bit | stream ppl | Δ% | paper ppl | Δ% | passkey 1k | passkey 2k |"
+        "| method | bytes/token | vs 16-bit | decode 1k: ΔNLL % | KL | top-1 | strict Δ% | stream Δ% | passkey 1k "
+        "| passkey 2k |"
     )
-    assert lines[3] == "| `int4-g32` | 312 | 0.312x | 10.500 | +5.00 | 11.000 | +10.00 | 100% | 50% |"
-    assert lines[4] == "| `int2-g32` | 188 | 0.188x | 20.000 | +100.00 | - | - | - | - |"
+    assert lines[3] == "| `int4-g32` | 312 | 0.312x | +2.50 ± 0.31 | 0.0412 | 90.0% | +10.00 | +5.00 | 100% | 50% |"
+    assert lines[4] == "| `int2-g32` | 188 | 0.188x | - | - | - | - | +100.00 | - | - |"
 
 
 def test_rows_of_several_runs_merge_into_one_table_and_plot(tmp_path, metrics):
