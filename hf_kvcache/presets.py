@@ -72,18 +72,20 @@ for _bits in (4, 3, 2):
         f"{_bits}-bit uniform K/V behind Hadamard rotations (QuaRot-style): values rotated through W_v/W_o (fused "
         "into the model), keys rotated online after RoPE", needs_model=True,
     )
-# TurboQuant's widths per stream, averaging the preset's bits: keys half a bit above the values at 3.5 and 3 bits,
-# where that measured better than equal widths on the default model (README); equal at 4 and 2.5 (2-bit values lost).
-# The first token kept exact (an attention sink) at 3.5 and 3 bits, where it measured better at two seeds; at 4 and
-# 2.5 bits it did not (README).
-_TURBO_WIDTHS = {4: (4, 4, 0), 3.5: (4, 3, 1), 3: (3.5, 2.5, 1), 2.5: (2.5, 2.5, 0)}
-for _bits, (_kb, _vb, _sink) in _TURBO_WIDTHS.items():
+# TurboQuant's widths per stream (the preset's number is their mean), the first tokens exact and the newest tokens
+# exact, chosen on the decode protocol at P=6144 on the H200 (bf16, fused kernels; README): a window of 64 exact
+# tokens took every width from +2.8-18.7% to +0.3-2.1% for 0.7-0.8% more bytes (at 6k), the one choice that mattered;
+# keys half a bit above the values below 4 bits (the earlier stream-protocol measurement, kept); 2.5 bits with a
+# window of 16, which keeps it under 0.19x of a 16-bit cache at 6k.
+_TURBO_WIDTHS = {4: (4, 4, 1, 64), 3.5: (4, 3, 1, 64), 3: (3.5, 2.5, 1, 64), 2.75: (3, 2.5, 1, 64),
+                 2.5: (2.5, 2.5, 0, 16)}
+for _bits, (_kb, _vb, _sink, _window) in _TURBO_WIDTHS.items():
     PRESETS[f"turboquant-{_bits:g}"] = Preset(
         TurboQuantCache,
-        {"bits": _bits} | ({} if _kb == _vb else {"key_bits": _kb, "value_bits": _vb})
-        | ({"sink_tokens": _sink} if _sink else {}),
+        {"bits": _kb} | ({} if _kb == _vb else {"key_bits": _kb, "value_bits": _vb})
+        | ({"sink_tokens": _sink} if _sink else {}) | {"residual_length": _window},
         f"TurboQuant {_bits:g} bits per channel" + ("" if _kb == _vb else f" ({_kb:g}-bit keys, {_vb:g}-bit values)")
-        + (", the first token exact" if _sink else "")
+        + (", the first token exact" if _sink else "") + f", the last {_window} tokens exact"
         + ": seeded random rotation, then the Lloyd-Max codebook of the rotated coordinate law for every coordinate, "
         "an fp16 length per vector (at .5 bits the half of the channels with most prefill energy coded apart with "
         "the extra bit); no calibration, the model unchanged",

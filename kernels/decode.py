@@ -429,8 +429,8 @@ def _attn_fwd(
         acc3 = acc0
         # sum_n p_n (zero_n + KC * scale_n) for asymmetric per-token values: the codes enter the products centered
         extra = tl.zeros((BLOCK_M,), tl.float32)
-        KC: tl.constexpr = 1 << (K_BITS - 1)  # the codes' centers (`_plane`)
-        VC: tl.constexpr = 1 << (V_BITS - 1)
+        K_CTR: tl.constexpr = 1 << (K_BITS - 1)  # the codes' centers (`_plane`)
+        V_CTR: tl.constexpr = 1 << (V_BITS - 1)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
         # scales and zeros of the first tile; each iteration loads the next tile's (the last one reloads its own);
@@ -467,16 +467,16 @@ def _attn_fwd(
                     qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
                     qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
-                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, KC)
+                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR)
                 if not K_SYM:  # q.k = (q * s) . (c - KC) + q . z + KC * sum(q * s)
-                    s += (tl.sum(qf * kz_t[None, :], 1) + KC * qs_sum)[:, None]
+                    s += (tl.sum(qf * kz_t[None, :], 1) + K_CTR * qs_sum)[:, None]
             elif K_PLANES:
                 # one group per token row: q.k = scale * (q . (c - KC)) + (zero + KC * scale) * sum(q)
-                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, KC) / q_pow2
+                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR) / q_pow2
                 if K_SYM:
                     s = s * k0[None, :]
                 else:
-                    s = s * k0[None, :] + q_sum[:, None] * (kz_t + KC * k0)[None, :]
+                    s = s * k0[None, :] + q_sum[:, None] * (kz_t + K_CTR * k0)[None, :]
             else:
                 kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
@@ -507,16 +507,16 @@ def _attn_fwd(
                     ps = tl.minimum(ps, 65504.0)
                 ps = ps.to(PDT)
                 if not V_SYM:
-                    extra = extra * alpha + tl.sum(p * (vz_t + VC * v0)[None, :], 1)
+                    extra = extra * alpha + tl.sum(p * (vz_t + V_CTR * v0)[None, :], 1)
                 byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
-                acc0 = _accumulate(acc0, alpha, _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF, VC), PREC), unit, TILE_ACC)
+                acc0 = _accumulate(acc0, alpha, _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF, V_CTR), PREC), unit, TILE_ACC)
                 if VPER > 1:
-                    acc1 = _accumulate(acc1, alpha, _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF, VC), PREC), unit,
+                    acc1 = _accumulate(acc1, alpha, _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF, V_CTR), PREC), unit,
                                        TILE_ACC)
                 if VPER > 2:
-                    acc2 = _accumulate(acc2, alpha, _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF, VC), PREC), unit,
+                    acc2 = _accumulate(acc2, alpha, _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF, V_CTR), PREC), unit,
                                        TILE_ACC)
-                    acc3 = _accumulate(acc3, alpha, _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF, VC), PREC), unit,
+                    acc3 = _accumulate(acc3, alpha, _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF, V_CTR), PREC), unit,
                                        TILE_ACC)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)

@@ -113,7 +113,7 @@ def _needles(task: str, rng: random.Random, keys: int, values: int, hops: int):
     raise ValueError(f"unknown retrieval task {task!r}; choose from {', '.join(TASKS)}")
 
 
-def make_sample(tokenizer, task: str, length: int, seed: int, *, keys: int = 4, values: int = 4, hops: int = 4,
+def make_sample(tokenizer, task: str, length: int, seed: int, *, keys: int = 4, values: int = 4, hops: int = 1,
                 chat: bool | None = None) -> RetrievalSample:
     """A `task` prompt of about `length` tokens (within one filler sentence), its needles at sorted random depths
     drawn from `seed` (as are keys and values). `chat=None` uses the chat template when the tokenizer has one."""
