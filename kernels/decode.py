@@ -141,10 +141,11 @@ def _plane(byte, P: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.
     """Plane P of packed bytes `byte` (int32): the codes of elements PER*j + P, centered, as exact DT values
     `code - CENTER`. OFF > 0 first writes the code into the mantissa of OFF (128 in bf16 for codes < 128, 1024 in
     fp16: two integer operations and a reinterpretation instead of an int-to-float conversion), then subtracts
-    OFF + CENTER in DT, which is exact. Centering matters: an operand of OFF + code carries a constant 100-1000x the
-    code into every product, and the tensor cores' accumulation across tiles (not IEEE fp32: it drifts with the
-    tiles a split sums) then loses the code under it (measured on the H200: 44-155% relative error at batch 16-64 x
-    32k for whole-row int4, 3-11% for int8, before; BENCHMARKS.md, 2026-12-02)."""
+    OFF + CENTER in DT, which is exact. Centering matters: an operand of OFF + code carried a constant 100-1000x the
+    code into every product and into the split's running sum, from which OFF * sum(p) was taken only at the end, so
+    the code's part kept only the accumulator's precision and the error grew with the tiles a split sums (3-11% for
+    int8 and 5-155% for whole-row int4 at batch 1-64 x 32k; centered, 0.34% at 16 x 32k: H200, BENCHMARKS.md,
+    2026-12-02)."""
     if BITS == 8:
         c = byte
     else:
@@ -248,18 +249,6 @@ def _place_tile(S_, Rs, N_, C, SC, Z, ss_t, sr_t, sn_t, sc_t, ssc_t, ssc_c, fp8_
 
 
 @triton.jit
-def _accumulate(acc, alpha, tile, unit, TILE_ACC: tl.constexpr):
-    """acc * alpha + tile, the body's running sum of p . v. TILE_ACC: the tile's products summed apart and added in
-    fp32 on the CUDA cores (`unit` is 1.0, a run-time value that keeps Triton from folding the sum into the
-    tensor-core accumulator); otherwise the products accumulate onto acc inside the tensor cores."""
-    if TILE_ACC:
-        out = acc * alpha[:, None] + tile * unit
-    else:
-        out = acc * alpha[:, None] + tile
-    return out
-
-
-@triton.jit
 def _softmax_step(s, m_i, l_i):
     """Online softmax in base 2: new running max, the rescale factor of the old sums, and the tile's weights."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -332,14 +321,14 @@ def _attn_fwd(
     MASK, sm_b, sm_t, sm_s,
     ACC, M_OUT, L_OUT, LENS, cap_len,
     Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
-    sm_scale, softcap, unit,
+    sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
     CAUSAL_BODY: tl.constexpr, K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
     MASK_ROW: tl.constexpr = False, STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
-    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False, TILE_ACC: tl.constexpr = False,
+    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     k_off = 0
@@ -497,7 +486,7 @@ def _attn_fwd(
             # ---- values
             if V_FMT != 3:
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
-                acc0 = _accumulate(acc0, alpha, _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC), unit, TILE_ACC)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC)
             elif V_PLANES:
                 # one group per token row: sum_n p_n v_n = (p * scale) . (c - VC) + sum_n p_n (zero_n + VC * scale_n);
                 # p * scale is clamped to fp16's largest value when the products are fp16 (a scale past it is not a
@@ -509,18 +498,15 @@ def _attn_fwd(
                 if not V_SYM:
                     extra = extra * alpha + tl.sum(p * (vz_t + V_CTR * v0)[None, :], 1)
                 byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
-                acc0 = _accumulate(acc0, alpha, _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF, V_CTR), PREC), unit, TILE_ACC)
+                acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF, V_CTR), PREC)
                 if VPER > 1:
-                    acc1 = _accumulate(acc1, alpha, _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF, V_CTR), PREC), unit,
-                                       TILE_ACC)
+                    acc1 = acc1 * alpha[:, None] + _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF, V_CTR), PREC)
                 if VPER > 2:
-                    acc2 = _accumulate(acc2, alpha, _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF, V_CTR), PREC), unit,
-                                       TILE_ACC)
-                    acc3 = _accumulate(acc3, alpha, _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF, V_CTR), PREC), unit,
-                                       TILE_ACC)
+                    acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF, V_CTR), PREC)
+                    acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF, V_CTR), PREC)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
-                acc0 = _accumulate(acc0, alpha, _dot(p.to(DT), vt.to(DT), PREC), unit, TILE_ACC)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:
             tl.store(ptr, acc0 * v_scale)

@@ -32,9 +32,6 @@ TUNING = {
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
     # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
-    # the body's p . v summed per tile and added on the CUDA cores, instead of accumulated in the tensor cores
-    # (`decode._accumulate`)
-    "tile_accumulate": os.environ.get("HF_KVCACHE_TILE_ACCUMULATE", "0") == "1",
     # TurboQuant's kernel (`turbo.py`): its codebook lookup, "registers" (PTX, fp16 products) or "load"
     # (BENCHMARKS.md, 2026-12-01: x0.84 against x0.28 at batch 16 x 32k), its tiles, warps and stages
     "turbo_lookup": os.environ.get("HF_KVCACHE_TURBO_LOOKUP", "registers"),
@@ -304,7 +301,7 @@ def decode_attention(
         part_acc, part_m, part_l, *_length_args(static, dummy),
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
         stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
-        float(scaling), float(softcap or 0.0), 1.0,
+        float(scaling), float(softcap or 0.0),
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=decode.tl.float16 if pdt != query.dtype else dt,
@@ -312,7 +309,6 @@ def decode_attention(
         CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
-        TILE_ACC=TUNING["tile_accumulate"],
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
         **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
     )
