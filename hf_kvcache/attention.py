@@ -117,6 +117,16 @@ def hf_kvcache_attention(
         out = fused_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
         if out is not None:
             return out, None
+    layer = key.layer
+    if (not layer.quantize_before_attention and layer.held_tokens == key.new.shape[2] and softcap is None
+            and s_aux is None):
+        # A prefill (nothing stored before it): attention over its own exact tokens, as the kernel path does. The
+        # reference would score every new token against every other in fp32 at once: (B, Hq, T, T), 87 GB for 64
+        # windows of 6144 tokens (measured, an out-of-memory on the H200 for the formats no kernel reads).
+        mask = None if attention_mask is None else attention_mask[..., : query.shape[2]]
+        out = F.scaled_dot_product_attention(query, key.new, value.new, attn_mask=mask, scale=scaling,
+                                             enable_gqa=True, is_causal=mask is None and query.shape[2] > 1)
+        return out.transpose(1, 2).contiguous(), None
     out = reference_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

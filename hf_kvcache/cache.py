@@ -614,8 +614,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             yield kc[:, :, :c], vc[:, :, :c]
             kbuf, vbuf = [kc[:, :, c:]], [vc[:, :, c:]]
             kn, vn = kn - c, vn - c
-        if not self.quantize_before_attention and n_new:
-            yield k_new, v_new
+        if not self.quantize_before_attention:
+            for i in range(0, n_new, chunk_tokens):  # a long chunk of new tokens, in pieces too
+                yield k_new[:, :, i : i + chunk_tokens], v_new[:, :, i : i + chunk_tokens]
 
     def _stream_chunks(self, name: str, chunk_tokens: int, stop: int) -> Iterator[torch.Tensor]:
         return self._streams[name].iter_chunks(self.dtype, chunk_tokens, stop)

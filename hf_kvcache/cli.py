@@ -211,8 +211,34 @@ def run_eval(
         raise UsageError(str(error)) from error
 
     entries, references = [], {}
+    metrics = {"model": name, "baseline": BASELINE, "methods": entries}
+
+    def config(complete: bool) -> dict:
+        return {
+            "command": command,
+            **{k: v for k, v in asdict(cfg).items() if k != "progress"},
+            "model_name": name,
+            "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "device": str(next(model.parameters()).device),
+            "device_name": _device_name(model),
+            "attn_implementation": _compat.attn_implementation(model.config),
+            "corpus": cfg.text or "pydoc_data.topics (dev corpus)",
+            "corpus_tokens": int(tokens.numel()),
+            "descriptions": descriptions,
+            "complete": complete,  # False while running (and after an interruption): the methods measured so far
+            "seconds": {"load": round(load_seconds, 2), "total": round(time.perf_counter() - started, 2)},
+            **report.environment(argv),
+        }
+
     with kernels.use_backend(cfg.backend):
         factories = {spec: _factory(spec, model) for spec in methods}
+        dir_name = report.results_dir_name(
+            command,
+            name,
+            _tasks_label(cfg),
+            methods=None if command == "compare" or len(methods) > 4 else methods[1:],
+        )
+        path = report.create_results_dir(out, dir_name)
         for spec in methods:
             factory = factories[spec]
             entry = {"spec": spec, "description": descriptions[spec]}
@@ -257,31 +283,10 @@ def run_eval(
                 )
             entries.append(entry)
             _log(_summary_line(entry))
+            report.fill_results(path, metrics, config(complete=False), plot=False)
     references.clear()
     patching.unfuse(model)  # the model leaves as it came
-
-    metrics = {"model": name, "baseline": BASELINE, "methods": entries}
-    config = {
-        "command": command,
-        **{k: v for k, v in asdict(cfg).items() if k != "progress"},
-        "model_name": name,
-        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "device": str(next(model.parameters()).device),
-        "device_name": _device_name(model),
-        "attn_implementation": _compat.attn_implementation(model.config),
-        "corpus": cfg.text or "pydoc_data.topics (dev corpus)",
-        "corpus_tokens": int(tokens.numel()),
-        "descriptions": descriptions,
-        "seconds": {"load": round(load_seconds, 2), "total": round(time.perf_counter() - started, 2)},
-        **report.environment(argv),
-    }
-    dir_name = report.results_dir_name(
-        command,
-        name,
-        _tasks_label(cfg),
-        methods=None if command == "compare" or len(methods) > 4 else methods[1:],
-    )
-    path = report.write_results(out, dir_name, metrics, config)
+    report.fill_results(path, metrics, config(complete=True))
     return path, metrics
 
 

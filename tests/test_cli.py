@@ -279,3 +279,25 @@ def test_calibrate_on_the_default_model_writes_a_loadable_artifact(tmp_path, cap
 def test_calibrate_usage_errors_exit_2(capsys, argv, message):
     assert cli.main(argv + ["--no-progress", "--tokens", "16"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_interrupted_run_keeps_what_it_measured(tmp_path, tiny, monkeypatch):
+    """After each method the results directory holds what was measured so far (`complete: false`)."""
+    from hf_kvcache.eval import perplexity
+
+    model, tokenizer = tiny
+    real, calls = perplexity.decode_perplexity, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of time")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(perplexity, "decode_perplexity", failing)
+    with pytest.raises(RuntimeError, match="out of time"):
+        run_eval(tiny_config(methods=("int8",), passkey=False), out=str(tmp_path), model=model, tokenizer=tokenizer)
+    (path,) = tmp_path.iterdir()
+    metrics = json.loads((path / "metrics.json").read_text())
+    assert [m["spec"] for m in metrics["methods"]] == ["none"]
+    assert json.loads((path / "config.json").read_text())["complete"] is False

@@ -33,6 +33,7 @@ __all__ = [
     "TABLE_NOTE",
     "create_results_dir",
     "environment",
+    "fill_results",
     "format_table",
     "headline",
     "load_results",
@@ -127,12 +128,19 @@ def _write_json(path: Path, data: dict) -> None:
 def write_results(out: str | os.PathLike, name: str, metrics: dict, config: dict) -> Path:
     """Write a new results directory (see the module docstring) and return its path."""
     path = create_results_dir(out, name)
+    fill_results(path, metrics, config)
+    return path
+
+
+def fill_results(path: Path, metrics: dict, config: dict, *, plot: bool = True) -> None:
+    """(Re)write the files of a results directory this run created: a long run saves what it measured after each
+    method (`plot=False`), so that an interruption keeps it."""
     _write_json(path / "metrics.json", metrics)
     _write_json(path / "config.json", config)
     rows = table_rows(metrics)
     (path / "table.md").write_text(format_table(rows) + "\n\n" + TABLE_NOTE + "\n")
-    plot_ppl_vs_bytes(rows, path / "ppl_vs_bytes.png", title=f"{metrics.get('model', '')}")
-    return path
+    if plot:
+        plot_ppl_vs_bytes(rows, path / "ppl_vs_bytes.png", title=f"{metrics.get('model', '')}")
 
 
 def load_results(path: str | os.PathLike) -> tuple[dict, dict]:
