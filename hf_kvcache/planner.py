@@ -554,14 +554,10 @@ def _length(tokens: str) -> str:
 
 
 def _accuracy_text(entry: dict) -> str:
-    parts = [f"perplexity {entry['stream_delta_pct']:+.2f}% (stream), {entry['paper_delta_pct']:+.2f}% (paper)"]
-    if "passkey" in entry:
-        found = " / ".join(f"{v:.0%}" for v in entry["passkey"].values())
-        base = " / ".join(f"{v:.0%}" for v in entry["passkey_baseline"].values())
-        lengths = " / ".join(_length(k) for k in entry["passkey"])
-        parts.append(f"passkey {found} at {lengths} (16-bit: {base})")
-    sources = [entry["source"]] + ([entry["passkey_source"]] if "passkey_source" in entry else [])
-    return f"{', '.join(parts)} on {measured()['accuracy']['model']} [{', '.join(sources)}]"
+    half = f" ± {entry['delta_half_width']:.2f}" if entry.get("delta_half_width") else ""
+    text = (f"ΔNLL {entry['decode_delta_pct']:+.2f}%{half}, KL {entry['kl']:.4f}, top-1 {entry['top1']:.1%} "
+            f"(decode protocol, prefill {entry['prefill']})")
+    return f"{text} on {measured()['accuracy']['model']} [{entry['source']}]"
 
 
 def _speed_points(entry: dict) -> str:
@@ -613,7 +609,7 @@ def _recommend(rows: dict[str, MethodPlan], gpu: GPU | None, context: int, batch
                   f"INT8 does not fit batch {batch}, so INT4 in groups of 64")
         out.append(rec(first, "hardware", f"{hardware}: {choice}; {fits(first)}."))
     if context >= LONG_CONTEXT or not rows[first].fits_batch:
-        ranked = sorted(MEMORY_METHODS, key=lambda s: accuracy[s]["stream_delta_pct"])
+        ranked = sorted(MEMORY_METHODS, key=lambda s: accuracy[s]["decode_delta_pct"])
         fitting = [s for s in ranked if rows[s].fits_batch]
         reason = (f"at {context:,} tokens memory dominates" if context >= LONG_CONTEXT
                   else f"`{first}` does not fit batch {batch}")

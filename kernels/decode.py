@@ -416,7 +416,7 @@ def _attn_fwd(
         acc1 = acc0
         acc2 = acc0
         acc3 = acc0
-        # sum_n p_n (zero_n + KC * scale_n) for asymmetric per-token values: the codes enter the products centered
+        # sum_n p_n (zero_n + V_CTR * scale_n) for asymmetric per-token values: the codes enter the products centered
         extra = tl.zeros((BLOCK_M,), tl.float32)
         K_CTR: tl.constexpr = 1 << (K_BITS - 1)  # the codes' centers (`_plane`)
         V_CTR: tl.constexpr = 1 << (V_BITS - 1)
@@ -457,10 +457,10 @@ def _attn_fwd(
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
                     qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
                 s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR)
-                if not K_SYM:  # q.k = (q * s) . (c - KC) + q . z + KC * sum(q * s)
+                if not K_SYM:  # q.k = (q * s) . (c - K_CTR) + q . z + K_CTR * sum(q * s)
                     s += (tl.sum(qf * kz_t[None, :], 1) + K_CTR * qs_sum)[:, None]
             elif K_PLANES:
-                # one group per token row: q.k = scale * (q . (c - KC)) + (zero + KC * scale) * sum(q)
+                # one group per token row: q.k = scale * (q . (c - K_CTR)) + (zero + K_CTR * scale) * sum(q)
                 s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR) / q_pow2
                 if K_SYM:
                     s = s * k0[None, :]
@@ -488,7 +488,7 @@ def _attn_fwd(
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC)
             elif V_PLANES:
-                # one group per token row: sum_n p_n v_n = (p * scale) . (c - VC) + sum_n p_n (zero_n + VC * scale_n);
+                # one group per token row: sum_n p_n v_n = (p * scale) . (c - V_CTR) + sum_n p_n (zero_n + V_CTR * scale_n);
                 # p * scale is clamped to fp16's largest value when the products are fp16 (a scale past it is not a
                 # real cache)
                 ps = p * v0[None, :]

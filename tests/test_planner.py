@@ -135,7 +135,7 @@ def test_hopper_gets_fp8_and_its_measured_figures():
     _cites_measured(rec)
     text = p.format()
     accuracy, speed = measured()["accuracy"]["methods"][FP8_METHOD], measured()["speed"]["methods"][FP8_METHOD]
-    assert f"{accuracy['stream_delta_pct']:+.2f}% (stream)" in text and accuracy["source"] in text
+    assert f"ΔNLL {accuracy['decode_delta_pct']:+.2f}%" in text and accuracy["source"] in text
     assert f"x{speed['speedup']['16x32768']:.2f} at 16 x 32k" in text and speed["source"] in text
 
 
@@ -174,13 +174,10 @@ def test_cited_figures_match_their_results_directories():
     figures = measured()
     for spec, entry in figures["accuracy"]["methods"].items():
         rows = {r["method"]: r for r in table_rows(json.loads((ROOT / entry["source"] / "metrics.json").read_text()))}
-        for protocol in ("stream", "paper"):
-            assert rows[spec][f"{protocol}_delta_pct"] == pytest.approx(entry[f"{protocol}_delta_pct"], abs=0.005)
-        if "passkey" in entry:
-            metrics = json.loads((ROOT / entry.get("passkey_source", entry["source"]) / "metrics.json").read_text())
-            by_length = {m["spec"]: m["passkey"]["by_length"] for m in metrics["methods"]}
-            assert by_length[spec] == pytest.approx(entry["passkey"], abs=0.005)
-            assert by_length[metrics["baseline"]] == pytest.approx(entry["passkey_baseline"], abs=0.005)
+        cell = rows[spec]["decode"][str(entry["prefill"])]
+        assert cell["delta_pct"] == pytest.approx(entry["decode_delta_pct"], abs=0.005)
+        assert cell["half_width"] == pytest.approx(entry["delta_half_width"], abs=0.005)
+        assert cell["kl"] == pytest.approx(entry["kl"], abs=5e-5) and cell["top1"] == pytest.approx(entry["top1"], abs=5e-4)
     speed = figures["speed"]["methods"]
     for spec, entry in speed.items():
         if "speedup" not in entry:  # not measured: it names measured neighbours instead
