@@ -99,10 +99,11 @@ class Codec(ABC):
         return False
 
     def observe(self, x: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Before the first block is packed: every token the place then holds beyond the sinks, `x (B, H, T, D)`
-        (the residual window included), `valid (B, T)` as in `encode`. A codec that freezes a per-sequence
-        statistic (FP8's dynamic scale) sets it from these rather than from the first block alone, which behind
-        a residual window can be a single token."""
+        """The first write that reaches past the sinks, before anything is packed: its tokens past the sinks,
+        `x (B, H, T, D)` (those headed for the residual window included), `valid (B, T)` as in `encode`. A codec that
+        freezes a per-sequence statistic (FP8's dynamic scale) sets it from these (a prefill: the whole prompt)
+        rather than from the first packed block, which behind a window can be a single token; the static form
+        observes the same write."""
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming the parameter if this codec cannot store vectors of size `head_dim`."""
@@ -280,6 +281,17 @@ class _Stream:
         if free_sink:
             self.sink.append({"x": x[:, :, :free_sink]})
             x = x[:, :, free_sink:]
+        if self.codec.observing and x.shape[2]:
+            # A per-sequence statistic (FP8's dynamic scale, TurboQuant's channel split) is set from the first write
+            # that reaches past the sinks, before anything is packed: what the static form sees too (it packs every
+            # token as it arrives), so both forms store the same codes; behind a window the first pack can come
+            # steps later, and taking the statistic then gave the two forms different channel splits.
+            start = self.first_position + self.n_sink + self.n_packed + self.n_residual
+            seen = None
+            if pad_lengths is not None:
+                index = torch.arange(start, start + x.shape[2], device=x.device)
+                seen = index.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, T)
+            self.codec.observe(x, seen)
         # No window to pass through (a per-token method at decode): pack the new tokens straight from `x`, which
         # saves the residual's copy and bookkeeping, most of an eager step's host time after the kernels' launches.
         direct = (self.residual_length == 0 and self.n_residual == 0 and x.shape[2] > 0
@@ -289,7 +301,7 @@ class _Stream:
         try:
             if direct:
                 x = x if x.stride(-1) == 1 else x.contiguous()  # the pack kernels read rows contiguous
-                self._pack(x, x, pad_lengths)
+                self._pack(x, pad_lengths)
             else:
                 self._flush(pad_lengths)
         except BaseException:
@@ -314,22 +326,15 @@ class _Stream:
         n = self._n_to_flush()
         if n <= 0:
             return
-        self._pack(self.residual.slice(0, n)["x"], self.residual.view()["x"] if self.codec.observing else None,
-                   pad_lengths)
+        self._pack(self.residual.slice(0, n)["x"], pad_lengths)
         self.residual.drop_front(n)
         # A prefill passes through the residual once: give its storage back rather than hold a dense copy.
         self.residual.shrink(self.residual_length + self.codec.block_size)
 
-    def _pack(self, x: torch.Tensor, held: torch.Tensor | None, pad_lengths: torch.Tensor | None) -> None:
+    def _pack(self, x: torch.Tensor, pad_lengths: torch.Tensor | None) -> None:
         """Encode `x (B, H, n, D)`, the next `n` tokens after the packed ones (n a multiple of the block size), into
-        the packed place; `held`: every token past the sinks, for a codec still `observing`."""
+        the packed place."""
         n = x.shape[2]
-        if self.codec.observing:
-            seen = None
-            if pad_lengths is not None:
-                seen = self._residual_index(held.shape[2], held.device).unsqueeze(0) >= pad_lengths.to(
-                    held.device).unsqueeze(1)  # (B, T)
-            self.codec.observe(held, seen)
         valid = None
         extra = {}
         needs_positions = getattr(self.codec, "needs_positions", False)

@@ -464,7 +464,8 @@ class TurboQuantCache(QuantizedKVCache):
             )
         check_choice("rotation", rotation, ROTATIONS)
         check_choice("scale", scale, SCALES)
-        self.bits, self.key_qjl, self.seed, self.rotation = bits, bool(key_qjl), seed, rotation
+        # `bits` is the mean width of the two streams (what the preset's name says), whichever set them
+        self.bits, self.key_qjl, self.seed, self.rotation = (key_bits + value_bits) / 2, bool(key_qjl), seed, rotation
         self.key_bits, self.value_bits = key_bits, value_bits
 
         def split_for(width: float) -> int:

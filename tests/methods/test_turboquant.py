@@ -155,9 +155,10 @@ def test_bytes_per_token_are_codes_and_lengths(bits, split, per_token):
     ("turboquant-3", 32 * 4 // 8 + 32 * 3 // 8 + 4, 32 * 3 // 8 + 32 * 2 // 8 + 4, 2),  # 3.5 / 2.5: both split
 ])
 def test_presets_give_the_keys_half_a_bit_more(spec, key_token, value_token, split_streams):
-    """Both presets also keep the first token exact (a sink): float32 here, 64 channels, keys and values."""
+    """Both presets also keep the first token exact (a sink): float32 here, 64 channels, keys and values (their
+    window of exact tokens off, so that all 39 others are coded)."""
     config = TINY_CONFIGS["llama"]()
-    cache = make_cache(spec, config)
+    cache = make_cache(spec, config, residual_length=0)
     hkv = config.num_key_value_heads
     k = torch.randn(2, hkv, 40, 64)
     cache.update(k, k, 0)
