@@ -41,7 +41,8 @@ def reference_attention(
     s_aux: torch.Tensor | None = None,
     chunk_tokens: int = REFERENCE_CHUNK_TOKENS,
 ) -> torch.Tensor:
-    """Attention of `query (B, Hq, Tq, D)` over a quantized layer, chunk by chunk -> `(B, Hq, Tq, Dv)` float32.
+    """Attention of `query (B, Hq, Tq, D)` over a quantized layer, chunk by chunk -> `(B, Hq, Tq, Dv)` float32
+    (float64 for a float64 query).
 
     `attention_mask`: boolean `(B, 1, Tq, S)` (True = attend) or additive float, or None for plain causal;
     S = tokens the layer holds. GQA/MQA by grouping query heads (`(B, Hkv, G, Tq, D)`), never `repeat_kv`.
@@ -50,15 +51,16 @@ def reference_attention(
     b, hq, tq, d = query.shape
     hkv = key.new.shape[1]
     g = hq // hkv
-    qg = query.float().reshape(b, hkv, g, tq, d)
-    m = torch.full((b, hkv, g, tq, 1), float("-inf"), device=query.device)
-    l_sum = torch.zeros((b, hkv, g, tq, 1), device=query.device)
+    work = torch.promote_types(query.dtype, torch.float32)
+    qg = query.to(work).reshape(b, hkv, g, tq, d)
+    m = torch.full((b, hkv, g, tq, 1), float("-inf"), device=query.device, dtype=work)
+    l_sum = torch.zeros((b, hkv, g, tq, 1), device=query.device, dtype=work)
     acc = None
     total = layer.held_tokens
     pos = 0
     for k, v in layer.iter_kv_chunks(key.new, value.new, chunk_tokens):
         c = k.shape[2]
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scaling
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(work)) * scaling
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         if attention_mask is None:
@@ -67,21 +69,21 @@ def reference_attention(
             s = s.masked_fill(kpos > qpos, float("-inf"))
         else:
             mk = attention_mask[..., pos : pos + c].unsqueeze(2)  # (B, 1, 1, Tq, c)
-            s = s.masked_fill(~mk, float("-inf")) if mk.dtype == torch.bool else s + mk.float()
+            s = s.masked_fill(~mk, float("-inf")) if mk.dtype == torch.bool else s + mk.to(work)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - safe)
         alpha = torch.exp(m - safe)
         l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
-        pv = torch.einsum("bhgqk,bhkd->bhgqd", p, v.float())
+        pv = torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(work))
         acc = pv if acc is None else acc * alpha + pv
         m = m_new
         pos += c
     if acc is None:
-        acc = torch.zeros((b, hkv, g, tq, value.new.shape[-1]), device=query.device)
+        acc = torch.zeros((b, hkv, g, tq, value.new.shape[-1]), device=query.device, dtype=work)
     if s_aux is not None:
         # Learned attention sinks (gpt-oss style): one extra logit per head that takes probability mass.
-        sink = s_aux.float().reshape(1, hkv, g, 1, 1)
+        sink = s_aux.to(work).reshape(1, hkv, g, 1, 1)
         m_new = torch.maximum(m, sink)
         alpha = torch.exp(m - m_new)
         l_sum = l_sum * alpha + torch.exp(sink - m_new)

@@ -531,13 +531,15 @@ def static_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
 
 
 def _dense_attention(query, key: KVHandle, value: KVHandle, attention_mask, scaling, softcap, s_aux):
-    """Plain attention over the whole capacity, masked to the held tokens (and by `attention_mask`), fp32."""
+    """Plain attention over the whole capacity, masked to the held tokens (and by `attention_mask`), in float32
+    (float64 for a float64 query, as `reference_attention`)."""
     layer = key.layer
     k, v = layer.dense_kv(key.new, value.new)
     b, hq, tq, d = query.shape
     hkv = k.shape[1]
-    qg = query.float().reshape(b, hkv, hq // hkv, tq, d)
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scaling
+    work = torch.promote_types(query.dtype, torch.float32)
+    qg = query.to(work).reshape(b, hkv, hq // hkv, tq, d)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(work)) * scaling
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     kpos = torch.arange(layer.max_cache_len, device=query.device)
@@ -548,10 +550,10 @@ def _dense_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
         if mk.dtype == torch.bool:
             allowed = allowed & mk
         else:
-            s = s + mk.float()
+            s = s + mk.to(work)
     s = s.masked_fill(~allowed, float("-inf"))
     if s_aux is not None:
-        sink = s_aux.float().reshape(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, tq, 1)
+        sink = s_aux.to(work).reshape(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, tq, 1)
         s = torch.cat([s, sink], dim=-1)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -561,7 +563,7 @@ def _dense_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
     else:
         p_kv = p
     denom = p.sum(-1, keepdim=True)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", p_kv, v.float())
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p_kv, v.to(work))
     out = torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
     return out.reshape(b, hq, tq, -1).to(query.dtype).transpose(1, 2).contiguous()
 
