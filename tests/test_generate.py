@@ -159,6 +159,30 @@ def test_reset_reuse_and_continuation_equal_one_fresh_generate(spec, easy, hard,
     assert_cache_finite(cache)
 
 
+@pytest.mark.smoke  # `prefill_chunk_size` is transformers' own loop, which moved between versions
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
+def test_prefill_chunking_feeds_the_cache_as_a_manual_chunked_prefill(spec, easy, hard, attn):
+    """`generate(..., prefill_chunk_size=8)` over a left-padded prompt of 25 tokens (a first chunk of nothing but
+    padding for the short row) gives the tokens of the same chunks fed by hand (8, 8, 8; mask and positions as
+    `generate` builds them), then a `generate` that continues from the last prompt token: the cache sees the same
+    updates, and what a chunk attends to (its own tokens exact, the earlier chunks as stored) is the same."""
+    model = tiny_model(FEATURE_MODEL, attn_implementation=attn)
+    ids, mask = left_padded_batch(model, lengths=(25, 9), seed=5)
+    want = _greedy(model, ids, make_cache(spec, model, **hard), 8, attention_mask=mask, prefill_chunk_size=8)
+    cache = make_cache(spec, model, **hard)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        for lo in range(0, 24, 8):
+            model(ids[:, lo : lo + 8], attention_mask=mask[:, : lo + 8], position_ids=positions[:, lo : lo + 8],
+                  use_cache=True, **_compat.cache_kwargs(cache))
+    assert cache.get_seq_length() == 24
+    got = _greedy(model, ids, cache, 8, attention_mask=mask)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == 25 + 8 - 1
+    assert_cache_finite(cache)
+
+
 @pytest.mark.parametrize("attn", ATTN)
 @pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
 def test_rows_of_1_and_200_tokens_generate_past_every_boundary(spec, easy, hard, attn, monkeypatch):
