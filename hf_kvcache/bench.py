@@ -8,9 +8,12 @@ Each part prints its baseline measured in the same run (STYLE.md #10):
   captured in a CUDA graph and replayed, so that host time is left out, as serving engines run decode), speed-up,
   GB/s of cache bytes read against the copy bandwidth measured in the same run, and the roofline 2/B; then the
   host time of one call and the eager time and speed-up (calls launched one by one, host time included).
-- e2e: `model.generate` decode tokens/s and peak memory (prefill included) of a Llama-3-8B-shaped model with
-  random bf16 weights (fewer layers by default, the per-layer shapes are the 8B's), against DynamicCache and
-  transformers' QuantizedCache (quanto backend) when optimum-quanto is importable.
+- e2e: `model.generate` as users call it (a fresh cache a call, the prompt prefilled by `generate`) on a
+  Llama-3-8B-shaped model with random bf16 weights (fewer layers by default, the per-layer shapes are the 8B's):
+  each method eager (built without `max_cache_len`) and compiled (with it) against DynamicCache eager and
+  transformers' StaticCache compiled, at batch 1, 16 and 64: decode step, first-call warm-up, recompiles, peak
+  memory with and without prefill chunking, host time of one eager layer step (`e2e_part`).
+- decode: the same model continuing caches filled with random K/V, step time and GPU time (`decode_part`).
 - capacity: the largest batch at a context that fits a fixed KV memory budget, from the bytes a real cache
   allocates for one sequence (all of the model's layers), against a bf16 cache.
 """
@@ -45,7 +48,8 @@ class BenchConfig:
     e2e_batch: int = 16
     e2e_context: int = 32768
     e2e_layers: int = 8
-    e2e_new_tokens: int = 32
+    e2e_new_tokens: int = 64
+    e2e_prefill_chunk: int | None = 2048
     capacity_context: int = 32768
     capacity_budget_gb: float = 80.0
     sweep_batch: int = 16
@@ -335,79 +339,131 @@ def _make_e2e_cache(name: str, model):
     return make_cache(name, model), "hf_kvcache"
 
 
-def quanto_available() -> bool:
-    try:
-        import optimum.quanto  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _StepClock:
+    """A logits processor that notes the wall time of every step of `generate` (it runs once a step, after the
+    forward): the first note ends the prefill, the gaps between the others are decode steps."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate_once(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None = None) -> dict:
+    """One `model.generate` as a user calls it: a fresh cache built the plain way (eager) or with `max_cache_len`
+    (compiled, transformers' own compile rule), the whole prompt prefilled by `generate` itself (in chunks of
+    `chunk` tokens when given), `n` greedy tokens. Times from `_StepClock`; peak memory above what was allocated
+    before the call (the weights and the prompt), CUDA only."""
+    from transformers import LogitsProcessorList
+
+    device = ids.device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    cache, attn = _decode_cache(name, model, ids.shape[1] + n, compiled)
+    _set_attention(model, attn)
+    clock = _StepClock(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, logits_processor=LogitsProcessorList([clock]), disable_compile=not compiled,
+                         prefill_chunk_size=chunk, **_compat.cache_kwargs(cache))
+    _sync(device)
+    call_s = time.perf_counter() - t0
+    assert out.shape == (ids.shape[0], ids.shape[1] + n)
+    gaps = sorted(b - a for a, b in zip(clock.times[1:], clock.times[2:]))
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if device.type == "cuda" else None
+    cache_bytes = cache.nbytes() if hasattr(cache, "nbytes") else _dense_cache_bytes(cache)
+    return dict(cache=cache, call_s=call_s, prefill_s=clock.times[0] - t0, step_ms=gaps[len(gaps) // 2] * 1e3,
+                peak_gb=peak, cache_gb=cache_bytes / 1e9)
+
+
+def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None) -> dict:
+    """A row of the end-to-end table: two `_generate_once` calls, each with a fresh cache (the first pays what
+    a first call pays in this process: Triton's and Inductor's compiles, CUDA graph capture), then, eager, one with
+    the prompt prefilled in chunks of `chunk` tokens (its peak memory) and the host time of one layer step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call  # transformers keeps the compiled forward of the last cache type
+    first = _generate_once(model, name, ids, n, compiled)
+    del first["cache"]
+    graphs = counters["stats"]["unique_graphs"]
+    second = _generate_once(model, name, ids, n, compiled)
+    recompiles = counters["stats"]["unique_graphs"] - graphs
+    row = dict(method=name, mode="compiled" if compiled else "eager", batch=ids.shape[0], context=ids.shape[1],
+               new_tokens=n, step_ms=second["step_ms"], tok_s=ids.shape[0] / second["step_ms"] * 1e3,
+               prefill_s=second["prefill_s"], first_call_s=first["call_s"], second_call_s=second["call_s"],
+               recompiles=recompiles, peak_gb=second["peak_gb"], cache_gb=second["cache_gb"],
+               chunked_peak_gb=None, host_us_per_layer=None, prefill_chunk=chunk)
+    if not compiled:
+        # the eager host cost of one layer step (a compiled step replays a graph: it has none)
+        row["host_us_per_layer"] = _host_us_per_layer(model, second["cache"], ids.shape[0])
+    del second
+    if chunk is not None and not compiled:  # transformers compiles each chunk's forward under compile: eager only
+        row["chunked_peak_gb"] = _generate_once(model, name, ids, n, compiled, chunk=chunk)["peak_gb"]
+    return row
 
 
 def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """`model.generate` as users call it (`e2e_row`) on a Llama-3-8B-shaped model with random bf16 weights
+    (`e2e_layers` layers) and a random prompt of `e2e_context` tokens, at each of `decode_batches`: DynamicCache
+    eager, transformers' StaticCache compiled, and each of `decode_methods` eager (built without `max_cache_len`)
+    and compiled (with it). Reported: the median decode step, its ratio to DynamicCache's at the same batch, the
+    first and second calls' times (the difference is the warm-up), recompiles in the second call, peak memory
+    above the weights without and with `prefill_chunk_size=e2e_prefill_chunk`, and the host time of one eager
+    layer step."""
     model = _random_model(cfg.e2e_layers)
-    b, s, n = cfg.e2e_batch, cfg.e2e_context, cfg.e2e_new_tokens
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (b, s), device="cuda", generator=gen)
-    # transformers' QuantizedCache last: it dequantizes its whole history every step and is by far the slowest.
-    names = ["dynamic"] + list(cfg.methods) + (["hf-quanto-int4"] if quanto_available() else [])
-    if not quanto_available():
-        log("transformers' QuantizedCache: optimum-quanto is not importable here, baseline skipped")
+    s, n = cfg.e2e_context, cfg.e2e_new_tokens
+    plan = [("dynamic", False), ("static", True)]
+    plan += [(m, compiled) for m in cfg.decode_methods for compiled in (False, True)]
     rows = []
-    for name in names:
-        try:
-            r = _e2e_one(model, name, ids, n, log)
-        except torch.cuda.OutOfMemoryError as error:
-            log(f"{name}: out of memory ({str(error).splitlines()[0]})")
-            rows.append(dict(method=name, oom=True))
-            continue
-        finally:
-            from .patching import unfuse
+    for batch in cfg.decode_batches:
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        ids = torch.randint(0, model.config.vocab_size, (batch, s), device="cuda", generator=gen)
+        base = None
+        for name, compiled in plan:
+            try:
+                r = e2e_row(model, name, ids, n, compiled, cfg.e2e_prefill_chunk)
+            except torch.cuda.OutOfMemoryError as error:
+                log(f"{name} ({'compiled' if compiled else 'eager'}) at batch {batch}: out of memory "
+                    f"({str(error).splitlines()[0]})")
+                rows.append(dict(method=name, batch=batch, mode="compiled" if compiled else "eager", oom=True))
+                continue
+            finally:
+                from .patching import unfuse
 
-            unfuse(model)  # a RotatedCache fused its rotation: the next method gets the model it expects
-            gc.collect()
-            torch.cuda.empty_cache()
-        rows.append(r)
-        base = rows[0].get("decode_tok_s")
-        r["vs_dynamic"] = r["decode_tok_s"] / base
-        log(f"{r['method']:>16}: decode {r['decode_tok_s']:8.1f} tok/s (x{r['vs_dynamic']:.2f} DynamicCache)  "
-            f"step {r['step_ms']:7.2f} ms  prefill {r['prefill_s']:6.2f} s  peak {r['peak_gb']:6.2f} GB  "
-            f"cache {r['cache_gb']:6.2f} GB")
-    cfg.results["e2e"] = dict(batch=b, context=s, layers=cfg.e2e_layers, new_tokens=n, rows=rows)
+                unfuse(model)  # a RotatedCache fused its rotation: the next method gets the model it expects
+            base = base or r["step_ms"]
+            r["vs_dynamic"] = base / r["step_ms"]
+            rows.append(r)
+            log(_e2e_line(r))
+    cfg.results["e2e"] = dict(context=s, layers=cfg.e2e_layers, new_tokens=n, prefill_chunk=cfg.e2e_prefill_chunk,
+                              rows=rows)
     del model
     return rows
 
 
-def _e2e_one(model, name: str, ids: torch.Tensor, n: int, log) -> dict:
-    b = ids.shape[0]
-    # Warm-up on a short prompt: Triton compiles, allocator settles.
-    cache, attn = _make_e2e_cache(name, model)
-    _set_attention(model, attn)
-    model.generate(ids[:, :256], attention_mask=torch.ones_like(ids[:, :256]), max_new_tokens=4, min_new_tokens=4,
-                   do_sample=False, **_compat.cache_kwargs(cache))
-    del cache
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base_mem = torch.cuda.memory_allocated()
-    cache, _ = _make_e2e_cache(name, model)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        model(ids[:, :-1], use_cache=True, logits_to_keep=1, **_compat.cache_kwargs(cache))
-    torch.cuda.synchronize()
-    prefill_s = time.perf_counter() - t0
-    log(f"{name}: prefill {prefill_s:.2f} s, {(torch.cuda.max_memory_allocated() - base_mem) / 1e9:.1f} GB peak so far")
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, **_compat.cache_kwargs(cache))
-    torch.cuda.synchronize()
-    decode_s = time.perf_counter() - t0
-    assert out.shape == (b, ids.shape[1] + n)
-    peak = torch.cuda.max_memory_allocated() - base_mem
-    cache_bytes = cache.nbytes() if hasattr(cache, "nbytes") else _dense_cache_bytes(cache)
-    del cache, out
-    return dict(method=name, prefill_s=prefill_s, decode_s=decode_s, decode_tok_s=b * n / decode_s,
-                step_ms=decode_s / n * 1e3, peak_gb=peak / 1e9, cache_gb=cache_bytes / 1e9)
+def _e2e_line(r: dict) -> str:
+    def gb(x):
+        return "-" if x is None else f"{x:6.2f} GB"
+
+    return (f"batch {r['batch']:3d} {r['method']:>14} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  "
+            f"x{r.get('vs_dynamic', float('nan')):.2f} DynamicCache  first call {r['first_call_s']:6.1f} s, second "
+            f"{r['second_call_s']:6.1f} s  recompiles {r['recompiles']}  peak {gb(r['peak_gb'])}, chunked "
+            f"{gb(r['chunked_peak_gb'])}  cache {r['cache_gb']:.2f} GB"
+            + ("" if r["host_us_per_layer"] is None else f"  host {r['host_us_per_layer']:.0f} us/layer"))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -490,8 +546,9 @@ def _host_us_per_layer(model, cache, batch: int, n: int = 50) -> float:
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // hq
     fn = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
-    q = torch.randn(batch, hq, 1, d, device="cuda", dtype=model.dtype)
-    k = torch.randn(batch, hkv, 1, d, device="cuda", dtype=model.dtype)
+    device = model.device
+    q = torch.randn(batch, hq, 1, d, device=device, dtype=model.dtype)
+    k = torch.randn(batch, hkv, 1, d, device=device, dtype=model.dtype)
 
     def step():
         kk, vv = cache.update(k, k, 0)
@@ -499,12 +556,12 @@ def _host_us_per_layer(model, cache, batch: int, n: int = 50) -> float:
 
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         step()
     host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
+    _sync(device)
     return host
 
 
@@ -852,8 +909,6 @@ def run(cfg: BenchConfig, log=print) -> dict:
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
              "sweep": sweep_part, "multi_gpu": multi_gpu_part}
-    if "e2e" in cfg.parts and "decode" not in cfg.parts:  # the end-to-end part includes the decode-step table
-        cfg.parts = tuple(p for part in cfg.parts for p in ((part, "decode") if part == "e2e" else (part,)))
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

@@ -468,8 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="GPU benchmarks: decode-attention kernels, end-to-end generate, capacity",
-        description="Decode attention against bf16 SDPA (flash, GQA), model.generate against DynamicCache and "
-        "transformers' QuantizedCache, and the batch that fits a memory budget. Needs a CUDA GPU.",
+        description="Decode attention against bf16 SDPA (flash, GQA); model.generate as users call it, each method "
+        "eager and compiled, against DynamicCache and transformers' StaticCache compiled; the batch that fits a memory "
+        "budget. Needs a CUDA GPU.",
     )
     bench.add_argument(
         "--parts", default=None,
@@ -481,7 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--e2e-batch", type=int, default=16)
     bench.add_argument("--e2e-context", type=int, default=32768)
     bench.add_argument("--e2e-layers", type=int, default=8, help="decoder layers of the 8B-shaped model")
-    bench.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per end-to-end run")
+    bench.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per end-to-end generate call")
+    bench.add_argument("--prefill-chunk", type=int, default=2048,
+                       help="prefill_chunk_size of the end-to-end part's chunked call (0: none)")
     bench.add_argument("--budget-gb", type=float, default=80.0, help="KV memory budget of the capacity part")
     bench.add_argument(
         "--multi-gpu", action="store_true",
@@ -491,9 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--multi-gpu-layers", type=int, default=32, help="decoder layers of the multi-GPU model")
     bench.add_argument("--decode-batches", default="1,16,64",
-                       help="batches of the decode-step table (part decode, also run by e2e)")
+                       help="batches of the end-to-end and decode-step tables (parts e2e and decode)")
     bench.add_argument("--decode-methods", default=None,
-                       help="cache specs of the decode-step table, each eager and compiled (default: bench.BenchConfig)")
+                       help="cache specs of the end-to-end and decode-step tables, each eager and compiled "
+                       "(default: bench.BenchConfig)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -738,10 +742,14 @@ def _bench(args: argparse.Namespace) -> int:
             e2e_context=args.e2e_context,
             e2e_layers=args.e2e_layers,
             e2e_new_tokens=args.new_tokens,
+            e2e_prefill_chunk=args.prefill_chunk or None,
             capacity_budget_gb=args.budget_gb,
             multi_gpu_layers=args.multi_gpu_layers,
             decode_batches=_int_list(args.decode_batches, "--decode-batches"),
         )
+        if args.new_tokens < 3 or args.prefill_chunk < 0:
+            raise UsageError(f"--new-tokens must be at least 3 (got {args.new_tokens}) and --prefill-chunk at least "
+                             f"0 (got {args.prefill_chunk})")
         if args.decode_methods is not None:
             cfg.decode_methods = tuple(split_methods([args.decode_methods]))
         if args.methods is not None:
