@@ -7,8 +7,9 @@ if [ ! -f /root/smollm2.gguf ]; then
   echo "$(cat .gpu-model-2/sha256)  /root/smollm2.gguf" | sha256sum -c --quiet || exit 1
 fi
 if [ -d .gpu-model-2 ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-model-2/gguf-*.whl 2>&1 | tail -1; fi
-# KVQuant's artifact, made on the CPU (`hf-kvcache calibrate --out .gpu-calibration/<name>`: the fit of 16k tokens
-# outran 100 s on the GPU host twice), carried in the git-ignored .gpu-calibration/ when a run names it.
+# KVQuant's artifact, made on the CPU (`HF_KVCACHE_CALIBRATION=.gpu-calibration hf-kvcache calibrate`: the fit of
+# 16k tokens outran 100 s on the GPU host twice), carried in .gpu-calibration/ (add it to .git/info/exclude) when a
+# run names it.
 if [ -d .gpu-calibration ]; then export HF_KVCACHE_CALIBRATION=$PWD/.gpu-calibration; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
