@@ -460,7 +460,7 @@ def _e2e_line(r: dict) -> str:
         return "-" if x is None else f"{x:6.2f} GB"
 
     return (f"batch {r['batch']:3d} {r['method']:>14} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  "
-            f"x{r.get('vs_dynamic', float('nan')):.2f} DynamicCache  first call {r['first_call_s']:6.1f} s, second "
+            f"x{r['vs_dynamic']:.2f} DynamicCache  first call {r['first_call_s']:6.1f} s, second "
             f"{r['second_call_s']:6.1f} s  recompiles {r['recompiles']}  peak {gb(r['peak_gb'])}, chunked "
             f"{gb(r['chunked_peak_gb'])}  cache {r['cache_gb']:.2f} GB"
             + ("" if r["host_us_per_layer"] is None else f"  host {r['host_us_per_layer']:.0f} us/layer"))

@@ -218,7 +218,7 @@ def test_static_and_dynamic_forms_agree_on_the_default_model(calibrated_default)
 
 
 def _cuda_case(name: str, spec: str, kwargs: dict, n: int, dtype=torch.float32, **generate_kwargs):
-    """(eager tokens, compiled tokens, new graphs) of `n` greedy steps of a tiny model on CUDA (float32)."""
+    """(eager tokens, compiled tokens, new graphs) of `n` greedy steps of a tiny model on CUDA, in `dtype`."""
     # float32: Inductor's fused kernels round differently from eager ones, and in bf16 a random tiny model's
     # near-tied logits then pick other tokens (FP8 casts turn such last-bit differences into whole FP8 steps).
     model = tiny_model(name, "hf_kvcache").to("cuda", dtype)

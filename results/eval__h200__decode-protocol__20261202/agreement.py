@@ -10,17 +10,17 @@ from pathlib import Path
 from hf_kvcache.eval.perplexity import paired_interval
 
 
-def per_window(path: str) -> dict[str, tuple[list[float], list[float], int]]:
-    """spec -> (window NLLs, the same run's baseline NLLs, prefill)."""
+def per_window(path: str) -> dict[str, tuple[list[float], list[float]]]:
+    """spec -> (window NLLs, the same run's baseline NLLs)."""
     metrics = json.loads((Path(path) / "metrics.json").read_text())
     out, base = {}, None
     for entry in metrics["methods"]:
-        (p, run), = entry["decode"].items()
+        (run,) = entry["decode"].values()  # one prefill length
         nll = [w["nll"] for w in run["windows"]]
         if entry["spec"] == metrics["baseline"]:
             base = nll
         else:
-            out[entry["spec"]] = (nll, base, int(p))
+            out[entry["spec"]] = (nll, base)
     return out
 
 
@@ -30,10 +30,10 @@ def main(triton: str, *torch_dirs: str) -> None:
     print("| preset | kernels ΔNLL % | reference ΔNLL % | kernels - reference, points | 95% interval |")
     print("|---|---|---|---|---|")
     worst = 0.0
-    for spec, (nll_f, base_f, _) in fused.items():
+    for spec, (nll_f, base_f) in fused.items():
         if spec not in reference:
             continue
-        nll_r, base_r, _ = reference[spec]
+        nll_r, base_r = reference[spec]
         scale_f, scale_r = 100 / (sum(base_f) / len(base_f)), 100 / (sum(base_r) / len(base_r))
         diffs = [(a - b) * scale_f - (c - d) * scale_r for a, b, c, d in zip(nll_f, base_f, nll_r, base_r)]
         d = paired_interval(diffs)
