@@ -2,9 +2,11 @@
 
 With `attn_implementation="hf_kvcache"`, a `QuantizedKVCache` returns `KVHandle`s from `update()` and this
 attention reads the packed cache itself:
-- on CUDA (`hf_kvcache.kernels` backend "auto" or "triton"), the fused Triton kernel reads codes, scales, sink,
-  residual and the exact new tokens in one pass (`hf_kvcache.kernels.decode_attention`); a step with nothing
-  stored before it (the prefill) attends to its own exact tokens through PyTorch's SDPA;
+- on CUDA (`hf_kvcache.kernels` backend "auto" or "triton"), the fused Triton kernels read codes, scales, sink,
+  window and the exact new tokens in one pass, every length from the device (`hf_kvcache.kernels.ops`); a decode
+  step replays the layer's CUDA graph of its store and attention (`QuantizedKVLayer.replay`); a step with nothing
+  stored before it (the prefill) attends to its own exact tokens through PyTorch's SDPA; under torch.compile (a
+  pinned capacity) the kernels are operators the compiler keeps as they are;
 - on CPU, or for a layout no kernel reads (3-bit codes, head_dim not a power of two, a float mask), the
   reference: blockwise attention over the dequantized cache, a chunk of tokens at a time, with an online
   softmax in fp32.
@@ -17,6 +19,8 @@ under the same name, transformers would pass `attention_mask=None` and padding w
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -25,7 +29,6 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import kernels
 from .cache import KVHandle
-from .static import static_attention
 
 ATTENTION_NAME = "hf_kvcache"
 REFERENCE_CHUNK_TOKENS = 256
@@ -109,28 +112,42 @@ def hf_kvcache_attention(
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    query = key.layer.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
     softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
-    if getattr(key.layer, "is_static", False):
-        out = static_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
+    layer = key.layer
+    if layer.has_pending:
+        out = layer.replay(query, attention_mask, scaling, softcap, s_aux)  # the decode step's CUDA graph
         if out is not None:
             return out, None
-    elif kernels.use_kernels(query.device):
+    query = layer.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
+    if torch.compiler.is_compiling():
+        return _traced_attention(query, key, value, attention_mask, scaling, softcap, s_aux), None
+    if kernels.use_kernels(query.device):
         out = fused_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
         if out is not None:
             return out, None
-    layer = key.layer
-    if (not layer.quantize_before_attention and layer.held_tokens == key.new.shape[2] and softcap is None
-            and s_aux is None):
+    if _attends_to_itself(layer, query, key, softcap, s_aux):
         # A prefill (nothing stored before it): attention over its own exact tokens, as the kernel path does. The
         # reference would score every new token against every other in fp32 at once: (B, Hq, T, T), 87 GB for 64
         # windows of 6144 tokens (measured, an out-of-memory on the H200 for the formats no kernel reads).
-        mask = None if attention_mask is None else attention_mask[..., : query.shape[2]]
-        out = F.scaled_dot_product_attention(query, key.new, value.new, attn_mask=mask, scale=scaling,
-                                             enable_gqa=True, is_causal=mask is None and query.shape[2] > 1)
-        return out.transpose(1, 2).contiguous(), None
+        return _prefill_attention(query, key, value, attention_mask, scaling), None
     out = reference_attention(query, key, value, attention_mask, scaling, softcap=softcap, s_aux=s_aux)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _attends_to_itself(layer, query: torch.Tensor, key: KVHandle, softcap, s_aux) -> bool:
+    """Whether this step is a prefill that attends to its own exact tokens only (nothing stored before it)."""
+    return (not layer.quantize_before_attention and layer.held_tokens == key.new.shape[2] and query.shape[2] > 1
+            and softcap is None and s_aux is None)
+
+
+def _prefill_attention(query, key: KVHandle, value: KVHandle, attention_mask, scaling: float) -> torch.Tensor:
+    """SDPA of a prefill over its own exact tokens -> `(B, Tq, Hq, D)` (the mask's first Tq columns: a pinned layer's
+    mask spans its capacity)."""
+    tq = query.shape[2]
+    mask = None if attention_mask is None else attention_mask[..., :tq]
+    out = F.scaled_dot_product_attention(query, key.new, value.new, attn_mask=mask, scale=scaling, enable_gqa=True,
+                                         is_causal=mask is None)
+    return out.transpose(1, 2).contiguous()
 
 
 def fused_attention(
@@ -142,27 +159,91 @@ def fused_attention(
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The kernel path: `(B, Tq, Hq, D)` in the query dtype, or None when no kernel reads this layer's layout."""
+    """The kernel path, eager: `(B, Tq, Hq, D)` in the query dtype, or None when no kernel reads this layer's layout
+    (or the mask is not boolean). `query (B, Hq, Tq, D)` in the stored keys' frame (`layer.rotate_query`)."""
     from .kernels import ops
 
     layer = key.layer
-    keys, values = layer.key_stream.kernel_view(), layer.value_stream.kernel_view()
-    if keys is None or values is None or ops.supports(keys, values, query) is not None:
+    layer.write_pending()
+    keys, values = layer.kernel_views()
+    if keys is None or values is None or ops.supports(keys, values, query, static=True) is not None:
         return None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         return None
-    exact_new = not layer.quantize_before_attention
-    if exact_new and layer.held_tokens == key.new.shape[2] and softcap is None and s_aux is None:
-        # Nothing was stored before this step (a prefill): attention over its own exact tokens.
-        out = F.scaled_dot_product_attention(
-            query, key.new, value.new, attn_mask=attention_mask, scale=scaling, enable_gqa=True,
-            is_causal=attention_mask is None and query.shape[2] > 1,
+    if _attends_to_itself(layer, query, key, softcap, s_aux):
+        return _prefill_attention(query, key, value, attention_mask, scaling)
+    chunk = query.shape[2] > 1
+    if chunk and getattr(layer, "_chunk_kernel_failed", False):
+        return None
+    try:
+        return ops.static_decode_attention(
+            query, keys, values, key.new, value.new, layer.static_layout(),
+            exact_new=not layer.quantize_before_attention, attention_mask=attention_mask, scaling=scaling,
+            softcap=softcap, s_aux=s_aux,
         )
-        return out.transpose(1, 2).contiguous()
-    return ops.decode_attention(
-        query, keys, values, key.new, value.new, exact_new=exact_new, attention_mask=attention_mask,
-        scaling=scaling, softcap=softcap, s_aux=s_aux,
-    )
+    except RuntimeError as error:
+        # Triton 3.6 failed to compile TurboQuant-3's kernel for a 2048-token prefill chunk on the H200 (a pass of its
+        # own pipeline, "PassManager::run failed", 2026-12-02, BENCHMARKS.md): such a chunk attends by the reference
+        # instead of stopping `generate`. Nothing else is caught.
+        if not chunk or "PassManager::run failed" not in str(error):
+            raise
+        warnings.warn(f"hf_kvcache: the fused kernel for this layout failed to compile for {query.shape[2]} query "
+                      "tokens; prefill chunks of this cache attend by the PyTorch reference", RuntimeWarning,
+                      stacklevel=2)
+        layer._chunk_kernel_failed = True
+        return None
+
+
+def _traced_attention(query, key: KVHandle, value: KVHandle, attention_mask, scaling: float, softcap=None,
+                      s_aux=None) -> torch.Tensor:
+    """The fused read of a pinned layer while torch.compile traces it -> `(B, Tq, Hq, D)`: the kernel's operator
+    (`hf_kvcache::static_attention`) on CUDA, else attention over the whole capacity, masked (`_dense_attention`)."""
+    layer = key.layer
+    # (the formats are built in eager code, the prefill's: building one can read values that tracing cannot)
+    keys, values = layer.kernel_views() if kernels.use_kernels(query.device) else (None, None)
+    if (keys is not None and values is not None and kernels.ops.supports(keys, values, query, static=True) is None
+            and (attention_mask is None or attention_mask.dtype == torch.bool)):
+        return kernels.ops.static_decode_attention(
+            query, keys, values, key.new, value.new, layer.static_layout(),
+            exact_new=not layer.quantize_before_attention, attention_mask=attention_mask, scaling=scaling,
+            softcap=softcap, s_aux=s_aux,
+        )
+    return _dense_attention(query, key, value, attention_mask, scaling, softcap, s_aux)
+
+
+def _dense_attention(query, key: KVHandle, value: KVHandle, attention_mask, scaling, softcap, s_aux):
+    """Plain attention over the whole capacity, masked to the held tokens (and by `attention_mask`), in float32
+    (float64 for a float64 query, as `reference_attention`)."""
+    layer = key.layer
+    k, v = layer.dense_kv(key.new, value.new)
+    b, hq, tq, d = query.shape
+    hkv = k.shape[1]
+    work = torch.promote_types(query.dtype, torch.float32)
+    qg = query.to(work).reshape(b, hkv, hq // hkv, tq, d)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(work)) * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    kpos = torch.arange(layer.capacity, device=query.device)
+    qpos = layer.length - tq + torch.arange(tq, device=query.device)
+    allowed = (kpos[None, :] <= qpos[:, None]).view(1, 1, 1, tq, -1)  # causal over what is held
+    if attention_mask is not None:
+        mk = attention_mask[..., : layer.capacity].unsqueeze(2)  # (B, 1, 1, Tq, S)
+        if mk.dtype == torch.bool:
+            allowed = allowed & mk
+        else:
+            s = s + mk.to(work)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.to(work).reshape(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, tq, 1)
+        s = torch.cat([s, sink], dim=-1)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    p_kv = p[..., :-1] if s_aux is not None else p
+    denom = p.sum(-1, keepdim=True)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p_kv, v.to(work))
+    out = torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
+    return out.reshape(b, hq, tq, -1).to(query.dtype).transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -50,6 +50,7 @@ class BenchConfig:
     e2e_layers: int = 8
     e2e_new_tokens: int = 64
     e2e_prefill_chunk: int | None = 2048
+    e2e_modes: tuple[str, ...] = ("eager", "compiled")  # which forms of each method the e2e part runs
     capacity_context: int = 32768
     capacity_budget_gb: float = 80.0
     sweep_batch: int = 16
@@ -420,14 +421,15 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
     """`model.generate` as users call it (`e2e_row`) on a Llama-3-8B-shaped model with random bf16 weights
     (`e2e_layers` layers) and a random prompt of `e2e_context` tokens, at each of `decode_batches`: DynamicCache
     eager, transformers' StaticCache compiled, and each of `decode_methods` eager (built without `max_cache_len`)
-    and compiled (with it). Reported: the median decode step, its ratio to DynamicCache's at the same batch, the
-    first and second calls' times (the difference is the warm-up), recompiles in the second call, peak memory
-    above the weights without and with `prefill_chunk_size=e2e_prefill_chunk`, and the host time of one eager
-    layer step."""
+    and compiled (with it), as `e2e_modes` says. Reported: the median decode step, its ratio to DynamicCache's at
+    the same batch, the first and second calls' times (the difference is the warm-up), recompiles in the second
+    call, peak memory above the weights without and with `prefill_chunk_size=e2e_prefill_chunk`, and the host
+    time of one eager layer step."""
     model = _random_model(cfg.e2e_layers)
     s, n = cfg.e2e_context, cfg.e2e_new_tokens
-    plan = [("dynamic", False), ("static", True)]
-    plan += [(m, compiled) for m in cfg.decode_methods for compiled in (False, True)]
+    compiled_modes = [mode == "compiled" for mode in cfg.e2e_modes]
+    plan = [("dynamic", False)] + ([("static", True)] if True in compiled_modes else [])
+    plan += [(m, compiled) for m in cfg.decode_methods for compiled in compiled_modes]
     rows = []
     for batch in cfg.decode_batches:
         gen = torch.Generator(device="cuda").manual_seed(batch)
@@ -488,14 +490,14 @@ def _dense_cache_bytes(cache) -> int:
 
 # ---------------------------------------------------------------------------------------------- decode steps
 
-# The decode-step table (`--parts decode`, also run by `e2e`): rows are baselines and each method eager (its
-# dynamic form, what `generate` gives without compiling) and compiled (its static form under transformers' own
+# The decode-step table (`--parts decode`, also run by `e2e`): rows are baselines and each method eager (built
+# without max_cache_len, what `generate` gives without compiling) and compiled (max_cache_len, under transformers' own
 # compile rule, `mode="reduce-overhead"`: Inductor plus CUDA graphs).
 DECODE_BASELINES = ("dynamic", "static", "exact")  # DynamicCache eager; the other two compiled
 
 
 def _decode_cache(name: str, model, context: int, compiled: bool):
-    """(cache, attn_implementation) of a decode-table row; compiled rows are static for `context` + slack."""
+    """(cache, attn_implementation) of a decode-table row; compiled rows pin `context` + slack (max_cache_len)."""
     from transformers import DynamicCache, StaticCache
 
     capacity = context + 256  # the fill, the warm-up and the timed steps

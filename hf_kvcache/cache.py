@@ -1,15 +1,18 @@
-"""The packed cache core: `QuantizedKVLayer` (one decoder layer) and `QuantizedKVCache` (the model's cache).
+"""The cache core: `QuantizedKVLayer` (one decoder layer) and `QuantizedKVCache` (the model's cache).
 
 A cached token of one layer lives in exactly one of three places, separately for keys and for values (a
-`_Stream` each):
-
-1. sink: the first `sink_tokens` tokens, kept in the model dtype;
-2. packed: codes and scales written by a `Codec`, in blocks of `codec.block_size` tokens, appended in place;
-3. residual: the most recent tokens in the model dtype, at most `residual_length` of them after a flush.
-
-Storage is preallocated and grows geometrically (`_Rows`), so an append costs O(new tokens) amortized; tokens
-leave the residual only to be quantized once, and nothing packed is ever quantized again. The methods in
+`hf_kvcache.storage.StreamStorage` each): the first `sink_tokens` in the model dtype, a residual window of the newest
+ones in the model dtype, and every other token as codes and scales written by a `Codec`. The methods in
 `hf_kvcache.methods` choose the policy (codecs, window, sink, flush rule); this module knows none of them.
+
+One storage serves every mode. The number of tokens held is a device tensor the kernels read, so that:
+- eager on CUDA, a layer's decode step (pack the new token, advance the length, attend, combine) is the same launches
+  at every step, and the layer replays them from a CUDA graph (`hf_kvcache.graphs`): about as much host time as
+  DynamicCache's step, with a fraction of its bytes to read;
+- with `max_cache_len` (the capacity pinned), `update` and the attention run without host reads or Python branches on
+  data, the layers say `is_compileable`, and `generate` compiles the decode step by itself (Inductor and CUDA graphs).
+Without `max_cache_len` the capacity grows by itself: by `_GROWTH` (at least `_MIN_GROW` tokens) when a write would
+not fit, each packed row copied once per growth; a growth that runs out of memory raises before anything held moves.
 
 Two read paths (see DESIGN.md): dense (`update()` returns K/V dequantized to the model dtype, what eager/sdpa
 attention consume) and fused (`update()` returns a `KVHandle` that the registered `hf_kvcache` attention reads
@@ -19,6 +22,7 @@ block by block, never building the full dense K/V).
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,34 +30,46 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _compat
-from .kernels.layout import PackedFormat, StreamTensors
+from . import _compat, graphs, kernels
+from .kernels.layout import PackedFormat, StaticLayout
+from .storage import StreamStorage
 
-# Storage grows by this factor (and at least `_MIN_GROW` tokens), so the capacity never exceeds what is held by
-# more than ~6% + a few rows. A smaller factor means more regrows, each copying the whole storage: 1/0.0625 = 16
-# row copies amortized per appended row, negligible next to the attention reading every row at every step; a
-# larger one (it was 1.25) leaves up to that fraction of a long cache allocated and unused, which the memory
-# the README promises (bytes per token, within 10% at 8k: tests/test_long_context.py) cannot afford.
+# A growing capacity takes this factor of what it must hold, and at least `_MIN_GROW` tokens more: the storage then
+# never exceeds what is held by more than ~6% + 64 tokens (the planner's bytes within 10% at every length past 1k),
+# and a long generation regrows (copying every packed row once, recapturing each layer's CUDA graph) every 6% of its
+# length.
 _GROWTH = 1.0625
 _MIN_GROW = 64
-# Capacities are rounded up so that every field's batch and head strides (capacity x the elements of one row) stay
-# multiples of this many elements as the storage grows, which the fused kernels' specialization relies on for
-# aligned, vectorized loads (`kernels/decode.py`, `_VARYING`). Per field rather than a fixed 16 rows: a row of
-# KIVI's keys is a block of 32 tokens and already 16-aligned, and 16 of them (512 tokens) of slack would be 25%
-# of a 2k-token cache.
-_STRIDE_ALIGN = 16
 
-# A sliding-window layer keeps this many tokens beyond its window so that `crop` (assisted generation) can roll
-# back a few tokens; trimming happens in bulk, amortized.
+# A growing sliding-window layer keeps this many tokens beyond its window so that `crop` (assisted generation) can roll
+# back a few tokens; it lets tokens go in bulk, at least this many at a time (amortized: the kept ones move once per
+# margin).
 _SLIDING_CROP_MARGIN = 64
 
 
-def _capacity(rows: int, fields: dict[str, torch.Tensor]) -> int:
-    """`rows` rounded up so that `rows x (elements of one row)` is a multiple of `_STRIDE_ALIGN` for every field."""
-    multiple = 1
-    for v in fields.values():
-        multiple = math.lcm(multiple, _STRIDE_ALIGN // math.gcd(_STRIDE_ALIGN, math.prod(v.shape[3:])))
-    return -(-rows // multiple) * multiple
+def _grown(needed: int) -> int:
+    """The capacity a growing layer takes to hold `needed` tokens."""
+    return max(math.ceil(needed * _GROWTH), needed + _MIN_GROW)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+@torch.compiler.disable
+def _outside_compiled_graph(fn, *args, **kwargs):
+    """Run `fn` eagerly when torch.compile meets it (a graph break): a growing layer's host bookkeeping and CUDA
+    graphs cannot be traced."""
+    return fn(*args, **kwargs)
+
+
+def check_max_cache_len(max_cache_len) -> int | None:
+    if max_cache_len is None:
+        return None
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len <= 0:
+        raise ValueError(f"max_cache_len={max_cache_len!r} must be a positive number of tokens (or None: a capacity "
+                         "that grows)")
+    return max_cache_len
 
 
 class Codec(ABC):
@@ -102,8 +118,7 @@ class Codec(ABC):
         """The first write that reaches past the sinks, before anything is packed: its tokens past the sinks,
         `x (B, H, T, D)` (those headed for the residual window included), `valid (B, T)` as in `encode`. A codec that
         freezes a per-sequence statistic (FP8's dynamic scale) sets it from these (a prefill: the whole prompt)
-        rather than from the first packed block, which behind a window can be a single token; the static form
-        observes the same write."""
+        rather than from the first packed block, which behind a window can be a single token."""
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a ValueError naming the parameter if this codec cannot store vectors of size `head_dim`."""
@@ -112,362 +127,6 @@ class Codec(ABC):
         """How the fused kernels read this codec's fields (`hf_kvcache.kernels.layout`); None: they cannot, and
         the attention uses the reference path."""
         return None
-
-
-class _Rows:
-    """Named tensors sharing axis 2 (rows), appended at the end and dropped from the front in O(1) amortized.
-
-    Holds `data[name][:, :, start:end]`; the buffers grow by `_GROWTH` and are compacted (the live rows moved to
-    the front) when more than half of the capacity is dead rows at the front.
-    """
-
-    def __init__(self, min_grow: int = _MIN_GROW) -> None:
-        self.data: dict[str, torch.Tensor] | None = None
-        self.start = 0
-        self.end = 0
-        self.min_grow = min_grow  # rows: at least this many spare rows after a regrow (0 for a fixed-size place)
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    def view(self) -> dict[str, torch.Tensor]:
-        if self.data is None:
-            return {}
-        return {k: v[:, :, self.start : self.end] for k, v in self.data.items()}
-
-    def slice(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        return {k: v[:, :, self.start + lo : self.start + hi] for k, v in self.data.items()}
-
-    def append(self, fields: dict[str, torch.Tensor]) -> None:
-        n = next(iter(fields.values())).shape[2]
-        if n == 0:
-            return
-        if self.data is None:
-            cap = _capacity(max(n, self.min_grow), fields)
-            self.data = {
-                k: torch.empty((*v.shape[:2], cap, *v.shape[3:]), dtype=v.dtype, device=v.device)
-                for k, v in fields.items()
-            }
-        self._make_room(n)
-        for k, v in fields.items():
-            self.data[k][:, :, self.end : self.end + n] = v
-        self.end += n
-
-    def reserve(self, n: int) -> dict[str, torch.Tensor] | None:
-        """Claim the next `n` rows (growing the storage if needed) and return views of them to write in place;
-        None before the first `append`, when the fields' shapes are not known yet."""
-        if self.data is None:
-            return None
-        self._make_room(n)
-        views = {k: v[:, :, self.end : self.end + n] for k, v in self.data.items()}
-        self.end += n
-        return views
-
-    def _make_room(self, n: int) -> None:
-        first = next(iter(self.data.values()))
-        if first.is_inference() and not torch.is_inference_mode_enabled():
-            # Storage made under torch.inference_mode() cannot be written outside it (a prompt prefilled under
-            # inference_mode, then `generate`, which runs under no_grad): copy it once into normal tensors.
-            self.data = {k: v.clone() for k, v in self.data.items()}
-        cap = first.shape[2]
-        if self.end + n > cap:
-            live = len(self)
-            if self.start > 0 and live + n <= cap and self.start * 2 >= cap:
-                self._compact(cap)
-            else:
-                self._compact(max(int(math.ceil((live + n) * _GROWTH)), live + n + self.min_grow))
-
-    def shrink(self, rows: int) -> None:
-        """Reallocate to about `rows` rows of capacity if far more is allocated (never below what is live)."""
-        if self.data is None:
-            return
-        target = max(rows, len(self)) + self.min_grow
-        if next(iter(self.data.values())).shape[2] > 2 * target:
-            self._compact(target)
-
-    def _compact(self, capacity: int) -> None:
-        live = len(self)
-        capacity = _capacity(capacity, self.data)
-        new = {}
-        for k, v in self.data.items():
-            buf = torch.empty((*v.shape[:2], capacity, *v.shape[3:]), dtype=v.dtype, device=v.device)
-            buf[:, :, :live] = v[:, :, self.start : self.end]
-            new[k] = buf
-        self.data, self.start, self.end = new, 0, live
-
-    def drop_front(self, n: int) -> None:
-        self.start += n
-        if len(self) == 0:
-            self.start = self.end = 0
-
-    def drop_back(self, n: int) -> None:
-        self.end -= n
-        if len(self) == 0:
-            self.start = self.end = 0
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch-axis operation (index_select, repeat_interleave) to the storage."""
-        if self.data is None:
-            return
-        # The whole buffer, spare rows included: the capacity (and the strides' alignment) stays as it was.
-        self.data = {k: fn(v) for k, v in self.data.items()}
-
-    def nbytes(self) -> int:
-        if self.data is None:
-            return 0
-        return sum(v[:, :, self.start : self.end].numel() * v.element_size() for v in self.data.values())
-
-    def allocated_nbytes(self) -> int:
-        if self.data is None:
-            return 0
-        return sum(v.numel() * v.element_size() for v in self.data.values())
-
-
-def check_flush(codec: Codec, residual_length: int, flush: str) -> None:
-    """A stream's window rule: "fifo", or "block" with a residual of whole blocks (ValueError otherwise)."""
-    if flush not in ("fifo", "block"):
-        raise ValueError(f"flush must be 'fifo' or 'block', got {flush!r}")
-    if flush == "block" and (residual_length <= 0 or residual_length % codec.block_size):
-        raise ValueError(
-            f"residual_length={residual_length} must be a positive multiple of the block size "
-            f"{codec.block_size} for a block-flushed stream"
-        )
-
-
-class _Stream:
-    """Keys or values of one layer: sink, packed and residual places, and the rule that moves tokens between them.
-
-    `flush="fifo"`: the residual keeps the last `residual_length` tokens; older ones are packed as soon as a whole
-    block of them exists (KIVI's values, and every per-token method with `residual_length=0`).
-    `flush="block"`: the residual fills up to `residual_length` tokens and is then packed all at once (KIVI's keys).
-    """
-
-    def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, flush: str):
-        check_flush(codec, residual_length, flush)
-        self.codec = codec
-        self.sink_tokens = sink_tokens
-        self.residual_length = residual_length
-        self.flush = flush
-        self.sink = _Rows(min_grow=0)  # never holds more than sink_tokens: no spare rows
-        # Rows of the packed place are blocks of codec.block_size tokens; spare rows are counted in tokens, so that
-        # a block codec (KIVI's keys, 32 tokens a row) does not keep 64 blocks spare.
-        self.packed = _Rows(min_grow=max(_MIN_GROW // codec.block_size, 1))
-        # The residual never holds more than its window and a block once flushed: spare rows beyond that are dense
-        # memory held for nothing (64 float32 tokens outweigh 700 packed 2-bit ones).
-        self.residual = _Rows(min_grow=min(_MIN_GROW, residual_length + codec.block_size))
-        self.first_position = 0  # absolute position of the first held token (> 0 once a window trimmed)
-
-    # --- sizes
-    @property
-    def n_sink(self) -> int:
-        return len(self.sink)
-
-    @property
-    def n_packed(self) -> int:
-        return len(self.packed) * self.codec.block_size
-
-    @property
-    def n_residual(self) -> int:
-        return len(self.residual)
-
-    def __len__(self) -> int:
-        return self.n_sink + self.n_packed + self.n_residual
-
-    # --- writing
-    def append(self, x: torch.Tensor, total_before: int, pad_lengths: torch.Tensor | None = None) -> None:
-        """Store `x (B, H, T, D)`; `total_before` counts the tokens this stream saw before (sinks are absolute).
-        `pad_lengths (B,)`: how many of each row's first tokens are left padding (None: no padding)."""
-        free_sink = min(max(self.sink_tokens - total_before, 0), x.shape[2])
-        if free_sink:
-            self.sink.append({"x": x[:, :, :free_sink]})
-            x = x[:, :, free_sink:]
-        if self.codec.observing and x.shape[2]:
-            # A per-sequence statistic (FP8's dynamic scale, TurboQuant's channel split) is set from the first write
-            # that reaches past the sinks, before anything is packed: what the static form sees too (it packs every
-            # token as it arrives), so both forms store the same codes; behind a window the first pack can come
-            # steps later, and taking the statistic then gave the two forms different channel splits.
-            start = self.first_position + self.n_sink + self.n_packed + self.n_residual
-            seen = None
-            if pad_lengths is not None:
-                index = torch.arange(start, start + x.shape[2], device=x.device)
-                seen = index.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, T)
-            self.codec.observe(x, seen)
-        # No window to pass through (a per-token method at decode): pack the new tokens straight from `x`, which
-        # saves the residual's copy and bookkeeping, most of an eager step's host time after the kernels' launches.
-        direct = (self.residual_length == 0 and self.n_residual == 0 and x.shape[2] > 0
-                  and x.shape[2] % self.codec.block_size == 0)
-        if x.shape[2] and not direct:
-            self.residual.append({"x": x})
-        try:
-            if direct:
-                x = x if x.stride(-1) == 1 else x.contiguous()  # the pack kernels read rows contiguous
-                self._pack(x, pad_lengths)
-            else:
-                self._flush(pad_lengths)
-        except BaseException:
-            # The packed place gave its reserved rows back; take this call's tokens out of the others too.
-            if not direct:
-                self.residual.drop_back(x.shape[2])
-            self.sink.drop_back(free_sink)
-            raise
-
-    def _n_to_flush(self) -> int:
-        n, b, r = self.n_residual, self.codec.block_size, self.residual_length
-        if self.flush == "block":
-            return (n // r) * r
-        return max((n - r) // b, 0) * b
-
-    def _residual_index(self, n: int, device: torch.device) -> torch.Tensor:
-        """`(n,)` the sequence indices of the residual's first n tokens."""
-        start = self.first_position + self.n_sink + self.n_packed
-        return torch.arange(start, start + n, device=device)
-
-    def _flush(self, pad_lengths: torch.Tensor | None) -> None:
-        n = self._n_to_flush()
-        if n <= 0:
-            return
-        self._pack(self.residual.slice(0, n)["x"], pad_lengths)
-        self.residual.drop_front(n)
-        # A prefill passes through the residual once: give its storage back rather than hold a dense copy.
-        self.residual.shrink(self.residual_length + self.codec.block_size)
-
-    def _pack(self, x: torch.Tensor, pad_lengths: torch.Tensor | None) -> None:
-        """Encode `x (B, H, n, D)`, the next `n` tokens after the packed ones (n a multiple of the block size), into
-        the packed place."""
-        n = x.shape[2]
-        valid = None
-        extra = {}
-        needs_positions = getattr(self.codec, "needs_positions", False)
-        if pad_lengths is not None or needs_positions:
-            index = self._residual_index(n, x.device)
-        if pad_lengths is not None:
-            valid = index.unsqueeze(0) >= pad_lengths.to(x.device).unsqueeze(1)  # (B, n)
-        if needs_positions:
-            # RoPE positions, as `generate` numbers them: index minus the row's left padding (padding at 0)
-            pads = pad_lengths.to(x.device).unsqueeze(1) if pad_lengths is not None else 0
-            extra["positions"] = (index.unsqueeze(0) - pads).clamp_min(0).expand(x.shape[0], n)  # (B, n)
-        rows = n // self.codec.block_size
-        out = self.packed.reserve(rows)
-        if out is None:
-            self.packed.append(self.codec.encode(x, valid, **extra))
-        else:
-            try:
-                self.codec.encode_into(x, valid, out, **extra)
-            except BaseException:
-                self.packed.drop_back(rows)  # a failed encode leaves the stored tokens as they were
-                raise
-
-    # --- reading
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """All held tokens, dequantized: `(B, H, S, D)`."""
-        parts = []
-        if self.n_sink:
-            parts.append(self.sink.view()["x"].to(dtype))
-        if len(self.packed):
-            parts.append(self.codec.decode(self.packed.view(), dtype))
-        if self.n_residual:
-            parts.append(self.residual.view()["x"].to(dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-    def iter_chunks(self, dtype: torch.dtype, chunk_tokens: int, stop: int) -> Iterator[torch.Tensor]:
-        """Held tokens `[0, stop)` dequantized piece by piece, at most ~`chunk_tokens` at a time: `(B, H, c, D)`.
-
-        The fused path's reference: no tensor ever holds the whole dequantized stream.
-        """
-        pos = 0
-        if self.n_sink and pos < stop:
-            s = self.sink.view()["x"][:, :, : stop - pos].to(dtype)
-            pos += s.shape[2]
-            yield s
-        b = self.codec.block_size
-        n_blocks = len(self.packed)
-        step = max(chunk_tokens // b, 1)
-        for i in range(0, n_blocks, step):
-            if pos >= stop:
-                return
-            j = min(i + step, n_blocks)
-            x = self.codec.decode(self.packed.slice(i, j), dtype)[:, :, : stop - pos]
-            pos += x.shape[2]
-            yield x
-        if self.n_residual and pos < stop:
-            r = self.residual.view()["x"]
-            for i in range(0, min(r.shape[2], stop - pos), chunk_tokens):
-                yield r[:, :, i : min(i + chunk_tokens, stop - pos)].to(dtype)
-
-    def kernel_view(self) -> StreamTensors | None:
-        """The places as the fused attention reads them (views, no copy), or None if the codec has no kernel."""
-        fmt = self.codec.packed_format()
-        if fmt is None:
-            return None
-        return StreamTensors(
-            sink=self.sink.view().get("x"),
-            fields=self.packed.view(),
-            fmt=fmt,
-            n_packed=self.n_packed,
-            residual=self.residual.view().get("x"),
-        )
-
-    # --- bookkeeping
-    def drop_front_tokens(self, n: int) -> None:
-        """Forget the `n` oldest held tokens (sliding windows). Only called with `can_drop_front(n)`."""
-        self.first_position += n
-        take = min(n, self.n_sink)
-        self.sink.drop_front(take)
-        n -= take
-        take = min(n, self.n_packed)
-        self.packed.drop_front(take // self.codec.block_size)
-        n -= take
-        self.residual.drop_front(n)
-        # Give back the capacity a long chunk (a prefill) left behind: a sliding layer would otherwise keep the
-        # largest chunk it ever saw allocated, however short its window.
-        self.packed.shrink(0)
-        self.residual.shrink(0)
-
-    def can_drop_front(self, n: int) -> bool:
-        n -= min(n, self.n_sink)
-        if n < self.n_packed:
-            return n % self.codec.block_size == 0
-        return n - self.n_packed <= self.n_residual
-
-    def crop(self, n: int, dtype: torch.dtype) -> None:
-        """Remove the `n` newest tokens; a partly removed packed block is unpacked into the residual."""
-        take = min(n, self.n_residual)
-        self.residual.drop_back(take)
-        n -= take
-        if n and len(self.packed):
-            b = self.codec.block_size
-            n_blocks = min(math.ceil(n / b), len(self.packed))
-            lo = len(self.packed) - n_blocks
-            tail = self.codec.decode(self.packed.slice(lo, len(self.packed)), dtype)
-            self.packed.drop_back(n_blocks)
-            removed = min(n, tail.shape[2])
-            keep = tail[:, :, : tail.shape[2] - removed]
-            n -= removed
-            if keep.shape[2]:
-                # The kept tokens go back to the front of the (now empty) residual, in order; they will be
-                # packed again from their dequantized values, the one case where stored tokens are re-encoded.
-                self.residual = _Rows(self.residual.min_grow)
-                self.residual.append({"x": keep.to(dtype)})
-        if n:
-            self.sink.drop_back(min(n, self.n_sink))
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for rows in (self.sink, self.packed, self.residual):
-            rows.map_batch(fn)
-        self.codec.state = {k: fn(v) for k, v in self.codec.state.items()}
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        """Every tensor this stream holds: each place's buffers (spare rows included) and the codec's state."""
-        for rows in (self.sink, self.packed, self.residual):
-            yield from (rows.data or {}).values()
-        yield from self.codec.state.values()
-
-    def nbytes(self) -> int:
-        state = sum(v.numel() * v.element_size() for v in self.codec.state.values())
-        return self.sink.nbytes() + self.packed.nbytes() + self.residual.nbytes() + state
-
-    def allocated_nbytes(self) -> int:
-        return self.sink.allocated_nbytes() + self.packed.allocated_nbytes() + self.residual.allocated_nbytes()
 
 
 @dataclass
@@ -510,85 +169,399 @@ class LayerPolicy:
     key_rotation: object | None = None
 
 
-class QuantizedKVLayer(CacheLayerMixin):
-    """One decoder layer's quantized K/V, stored as sink + packed + residual (see the module docstring).
+class _StepInputs:
+    """The fixed buffers a layer's CUDA-graphed decode steps read: this step's key and value `(B, Hkv, 1, D)` (one
+    pair a layer), and per captured graph its query `(B, Hq, 1, D)` and mask `(B, 1, 1, capacity)` (`_Graph`)."""
 
-    Shapes: `update(keys (B, Hkv, T, D), values (B, Hkv, T, D))` returns `(B, Hkv, S, D)` tensors on the dense
-    path (S = tokens held, T of them new), or two `KVHandle`s on the fused path.
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k = torch.empty_like(k, memory_format=torch.contiguous_format)
+        self.v = torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+@dataclass
+class _Graph:
+    """A captured decode step: the storage version it was captured at, the graph, its output and its input buffers."""
+
+    version: int
+    q: torch.Tensor
+    mask: torch.Tensor | None
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One decoder layer's quantized K/V in sink, packed and ring places (`hf_kvcache.storage`), its length on the
+    device.
+
+    `max_cache_len`: the capacity, pinned (every place allocated for it at the first update, `is_compileable`); None:
+    a capacity that grows as tokens come (sliding-window layers then keep only their window). Shapes:
+    `update(keys (B, Hkv, T, D), values (B, Hkv, T, D))` returns, on the dense path, `(B, Hkv, S, D)` tensors (S: the
+    tokens held, or the pinned capacity, whose rows past the length the mask `get_mask_sizes` sizes hides), or two
+    `KVHandle`s on the fused path. `length` (0-dim int64, on the device) counts the tokens held.
     """
 
-    is_compileable = False
     is_croppable = True
 
-    def __init__(self, policy: LayerPolicy, sliding_window: int | None = None):
+    def __init__(self, policy: LayerPolicy, sliding_window: int | None = None, max_cache_len: int | None = None,
+                 graph_pools: graphs.GraphPools | None = None):
         super().__init__()
         self.policy = policy
+        self.max_cache_len = check_max_cache_len(max_cache_len)
+        self.pinned = self.max_cache_len is not None
+        self.is_compileable = self.pinned
         self.sliding_window = sliding_window
-        self.is_sliding = sliding_window is not None
+        # A pinned capacity keeps every token of a sliding layer (the mask applies the window: a ring of the window would
+        # need positions that wrap); a growing one lets the tokens past its window go.
+        self.is_sliding = sliding_window is not None and not self.pinned
         # A sliding layer never attends to the first tokens once past its window: sinks would be dead weight.
-        sink = 0 if self.is_sliding else policy.sink_tokens
+        sink = 0 if sliding_window is not None else policy.sink_tokens
         self._streams = {
-            "keys": _Stream(policy.key_codec, sink, policy.key_residual_length, policy.key_flush),
-            "values": _Stream(policy.value_codec, sink, policy.value_residual_length, policy.value_flush),
+            "keys": StreamStorage(policy.key_codec, sink, policy.key_residual_length, policy.key_flush),
+            "values": StreamStorage(policy.value_codec, sink, policy.value_residual_length, policy.value_flush),
         }
-        self.cumulative_length = 0  # tokens ever stored (positions), held or trimmed by the sliding window
-        self.pad_lengths: torch.Tensor | None = None  # (B,) left padding per row, when transformers tells us
-        self.dtype: torch.dtype | None = None
+        self.graph_pools = graph_pools if graph_pools is not None else graphs.GraphPools()
+        self.cuda_graphs = True  # eager decode steps on CUDA replay a CUDA graph (the cache turns it off to offload)
         self.fused = False  # set by the cache from the model's attn_implementation
         self.quantize_before_attention = False
         self._offloaded = False  # every place's storage is in CPU memory (`offload`), until `prefetch`
+        self._version = 0  # bumped whenever what a captured step reads moves (storage, codec state, padding)
+        self._forget()
+
+    def _forget(self) -> None:
+        """No sequence held (a new layer, or `reset` of a growing one)."""
+        self.is_initialized = False
+        self.capacity = 0
+        self.length = torch.zeros((), dtype=torch.long)
+        # The host's count of held tokens, advanced by eager updates alone (a compiled step cannot change a Python
+        # value without a recompile): it sizes eager writes against the capacity before anything is written, and serves
+        # the eager bookkeeping. None once a compiled step has run (see `_host_held`).
+        self._host_length: int | None = 0
+        self.cumulative_length = 0  # tokens ever stored (positions), held or let go by a sliding window
+        self._first_position: torch.Tensor | int = 0  # sequence index of held token 0 (a device tensor once trimmed)
+        self.pad_lengths: torch.Tensor | None = None  # (B,) left padding per row, when transformers tells us
+        self._pads_settled = False  # the prompt came in one piece: its padding is known
+        self.dtype: torch.dtype | None = None
+        self._pending = False  # a decode step's K/V wait in `_inputs` for the attention to store them (`replay`)
+        self._inputs: _StepInputs | None = None
+        self._graphs: dict[tuple, _Graph] = {}
+        self._replayable: tuple[int, bool] | None = None
+        self._version += 1
 
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
+        self.batch_size, self.num_heads, t, _ = key_states.shape
         for name, x in (("keys", key_states), ("values", value_states)):
             self._streams[name].codec.check_head_dim(x.shape[-1])
+        capacity = self.max_cache_len if self.pinned else _grown(t)
+        for name, x in (("keys", key_states), ("values", value_states)):
+            self._streams[name].allocate(self.batch_size, self.num_heads, x.shape[-1], x.dtype, x.device, capacity,
+                                         static_address=self.pinned)
+        self.capacity = capacity
+        self.length = torch.zeros((), dtype=torch.long, device=self.device)
+        if self.pinned and not _compiling():
+            torch._dynamo.mark_static_address(self.length)
         self.is_initialized = True
+        self._version += 1
+
+    def _writable(self) -> None:
+        """Storage made under `torch.inference_mode()` cannot be written outside it (a prompt prefilled under
+        inference_mode, then `generate`, which runs under no_grad): copy it once into normal tensors."""
+        if not (self.is_initialized and self.length.is_inference()) or torch.is_inference_mode_enabled():
+            return
+        for s in self._streams.values():
+            s.move(torch.clone)
+        self.length = self.length.clone()
+        if isinstance(self._first_position, torch.Tensor):
+            self._first_position = self._first_position.clone()
+        if self.pad_lengths is not None:
+            self.pad_lengths = self.pad_lengths.clone()
+        self._inputs = None
+        self._version += 1
 
     @property
-    def key_stream(self) -> _Stream:
+    def key_stream(self) -> StreamStorage:
         return self._streams["keys"]
 
     @property
-    def value_stream(self) -> _Stream:
+    def value_stream(self) -> StreamStorage:
         return self._streams["values"]
+
+    def _host_held(self) -> int:
+        if self._host_length is None:  # compiled steps ran since: one read, in eager code only
+            self._host_length = int(self.length)
+        return self._host_length
+
+    @property
+    def first_position(self) -> int:
+        """The position of the oldest token held (> 0 once a sliding window let tokens go)."""
+        return int(self._first_position)
 
     @property
     def held_tokens(self) -> int:
-        return len(self._streams["keys"])
+        return self._host_held() if self.is_initialized else 0
+
+    # ------------------------------------------------------------------ writing
+    def _check_input(self, key_states: torch.Tensor) -> None:
+        b, h = key_states.shape[:2]
+        if (b, h) != (self.batch_size, self.num_heads) or key_states.dtype != self.dtype \
+                or key_states.device != self.device:
+            what = "max_cache_len=...)" if self.pinned else "...), or call cache.reset() first"
+            raise ValueError(
+                f"this cache holds batch {self.batch_size} x {self.num_heads} kv-heads of {self.dtype} on "
+                f"{self.device} and got {b} x {h} of {key_states.dtype} on {key_states.device}; build a new cache "
+                f"for another batch, dtype or device (make_cache(spec, model{', ' + what})"
+            )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if _compiling():
+            if self.pinned:
+                return self._traced_update(key_states, value_states, kwargs)
+            return _outside_compiled_graph(self._eager_update, key_states, value_states, kwargs)
+        return self._eager_update(key_states, value_states, kwargs)
+
+    def _traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict):
+        """A pinned layer's update while torch.compile traces it: no host read, no branch on data. Past the capacity the
+        tokens go to the spare rows and the kernels read at most the capacity, so nothing held is overwritten and
+        nothing wraps; the next eager call raises (`_make_room`)."""
+        t = key_states.shape[2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.prefetch()  # a no-op unless offloaded and not prefetched ahead of time
-        # Trim before appending, never after: this step's mask was sized by `get_mask_sizes()` from the
-        # trimmed view, and on the fused path the attention reads the layer only after `update()` returns.
-        self._trim_to_window()
-        pads = _compat.left_padding(kwargs, self.cumulative_length, key_states.shape[2], key_states.shape[0])
+        self._check_input(key_states)
+        self._host_length = None
+        pads = _compat.left_padding(kwargs, self.length, t, key_states.shape[0])
         if pads is not None:
             self.pad_lengths = pads
         if self.policy.key_rotation is not None:
             key_states = self.policy.key_rotation.apply(key_states)
-        self._streams["keys"].append(key_states, self.cumulative_length, self.pad_lengths)
-        try:
-            self._streams["values"].append(value_states, self.cumulative_length, self.pad_lengths)
-        except BaseException:
-            self._streams["keys"].crop(key_states.shape[2], self.dtype)  # a failed update stores nothing
-            raise
-        self.cumulative_length += key_states.shape[2]
+        p = self.length + torch.arange(t, device=self.device)  # (T,) held indices of the new tokens
+        self._streams["keys"].write(key_states, p, self.pad_lengths)
+        self._streams["values"].write(value_states, p, self.pad_lengths)
+        self.length.add_(t)
         if self.fused:
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
-        return self._dense("keys", key_states), self._dense("values", value_states)
+        return self._capacity_dense("keys", key_states, p), self._capacity_dense("values", value_states, p)
 
-    def _dense(self, name: str, new: torch.Tensor) -> torch.Tensor:
-        x = self._streams[name].dense(self.dtype)
+    def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict):
+        t = key_states.shape[2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_input(key_states)
+        self._writable()
+        self.write_pending()  # a decode step whose attention never came
+        self.prefetch()  # a no-op unless offloaded and not prefetched ahead of time
+        # Trim before appending, never after: this step's mask was sized by `get_mask_sizes()` from the trimmed view,
+        # and on the fused path the attention reads the layer only after `update()` returns.
+        self._trim_to_window()
+        held = self._host_held()
+        self._make_room(held, t)
+        if t > 1 or not self._pads_settled:
+            # Left padding is the prompt's: once a prompt came in one piece (t > 1), decode steps do not change it.
+            # A prompt fed token by token learns each row's padding as its first real token comes.
+            before = self.length if self.pinned else self.cumulative_length
+            pads = _compat.left_padding(kwargs, before, t, key_states.shape[0])
+            if pads is not None:
+                if self.pad_lengths is None or self.pad_lengths.shape != pads.shape:
+                    self.pad_lengths = pads
+                    self._version += 1  # a captured step reads the tensor
+                else:
+                    self.pad_lengths.copy_(pads)
+            self._pads_settled = t > 1
+        self._host_length = held + t
+        self.cumulative_length += t
+        if t == 1 and self._can_replay(key_states, value_states):
+            # The attention stores this token and attends in one CUDA graph (`replay`).
+            self._inputs.k.copy_(key_states)
+            self._inputs.v.copy_(value_states)
+            self._pending = True
+            return KVHandle(self, "keys", self._inputs.k), KVHandle(self, "values", self._inputs.v)
+        if any(s.codec.observing for s in self._streams.values()):
+            self._version += 1  # this write sets a codec's per-sequence state, which a captured step reads
+        if self.policy.key_rotation is not None:
+            key_states = self.policy.key_rotation.apply(key_states)
+        p = self.length + torch.arange(t, device=self.device)
+        try:
+            for name, x in (("keys", key_states), ("values", value_states)):
+                self._streams[name].write(x, p, self.pad_lengths, self._first_position, start=held)
+        except BaseException:
+            # Nothing of this call is held (a write past the length is never read): the counts go back.
+            self._host_length = held
+            self.cumulative_length -= t
+            raise
+        self.length.add_(t)
+        if self.fused:
+            return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
+        if self.pinned:
+            return self._capacity_dense("keys", key_states, p), self._capacity_dense("values", value_states, p)
+        return self._held_dense("keys", key_states), self._held_dense("values", value_states)
+
+    def _make_room(self, held: int, t: int) -> None:
+        """Raise (a pinned capacity), or grow, before anything of this write is stored."""
+        if held + t <= self.capacity:
+            return
+        if self.pinned:
+            if held > self.max_cache_len:
+                raise ValueError(
+                    f"compiled decode steps went past max_cache_len={self.max_cache_len} ({held} tokens): the tokens "
+                    f"past it were not stored (nothing held was overwritten), so what was generated after them did "
+                    f"not attend to them; build the cache with a larger max_cache_len (make_cache(spec, model, "
+                    f"max_cache_len=...)) for prompt plus max_new_tokens"
+                )
+            raise ValueError(
+                f"this cache holds max_cache_len={self.max_cache_len} tokens: {held} are held and {t} more do not "
+                f"fit; build it with a larger max_cache_len (make_cache(spec, model, max_cache_len=...)), or leave "
+                f"max_cache_len out (a capacity that grows)"
+            )
+        self._resize(_grown(held + t))
+
+    def _resize(self, capacity: int) -> None:
+        """Every stream to `capacity` tokens (at least what is held): all new buffers allocated first, so that running
+        out of memory raises with everything held where it was."""
+        try:
+            buffers = {name: s.new_packed(capacity) for name, s in self._streams.items()}
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(
+                f"resizing this cache layer from {self.capacity} to {capacity} tokens ran out of device memory; the "
+                f"{self._host_held()} tokens held are intact. Free memory, use a smaller batch or a cache with fewer "
+                f"bytes a token (hf-kvcache plan), or pin the capacity up front (max_cache_len=...). "
+                f"{str(error).splitlines()[0]}"
+            ) from error
+        for name, s in self._streams.items():
+            s.resize(capacity, buffers[name])
+        self.capacity = capacity
+        self._version += 1
+
+    def write_pending(self) -> None:
+        """Store a decode step's token that `update` left for the graphed attention, eagerly (that attention did not
+        come, or cannot be replayed)."""
+        if not self._pending:
+            return
+        self._pending = False
+        k, v = self._inputs.k, self._inputs.v
+        if self.policy.key_rotation is not None:
+            k.copy_(self.policy.key_rotation.apply(k))  # in place: the handle's exact new keys are in the stored frame
+        held = self._host_held() - 1
+        p = self.length + torch.arange(1, device=self.device)
+        for name, x in (("keys", k), ("values", v)):
+            self._streams[name].write(x, p, self.pad_lengths, self._first_position, start=held)
+        self.length.add_(1)
+
+    # ------------------------------------------------------------------ the CUDA-graphed decode step
+    def _can_replay(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether this decode step can run as a CUDA graph: CUDA, the fused path and its kernels, no per-sequence
+        statistic still to observe, nothing offloaded, and not inside someone else's capture."""
+        if not (self.cuda_graphs and self.fused and key_states.is_cuda and not self._offloaded and graphs.enabled()
+                and kernels.use_kernels(key_states.device)) or torch.cuda.is_current_stream_capturing():
+            return False
+        if self._replayable is None or self._replayable[0] != self._version:
+            views = self.key_stream.kernel_view(), self.value_stream.kernel_view()
+            ok = (None not in views and not any(s.codec.observing for s in self._streams.values())
+                  and kernels.ops.supports(*views, key_states, static=True) is None)
+            self._replayable = (self._version, ok)
+        if not self._replayable[1]:
+            return False
+        if self._inputs is None or self._inputs.k.shape != key_states.shape or self._inputs.v.shape != value_states.shape:
+            self._inputs = _StepInputs(key_states, value_states)
+            self._version += 1  # a captured step reads the old buffers
+        return True
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending
+
+    def replay(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+               softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor | None:
+        """The pending decode step: store the token `update` left in `_inputs`, advance the length and attend, from
+        this layer's CUDA graph for these inputs (the first time: eagerly, then captured) -> `(B, 1, Hq, D)`, a buffer
+        the next replay overwrites. None when the step cannot be a graph (a float mask): then it is stored eagerly."""
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            self.write_pending()
+            return None
+        self._pending = False
+        key = (float(scaling), softcap, None if s_aux is None else s_aux.data_ptr(), tuple(query.shape), query.dtype,
+               None if attention_mask is None else tuple(attention_mask.shape[:3]), self.quantize_before_attention)
+        entry = self._graphs.get(key)
+        if entry is not None and entry.version == self._version:
+            entry.q.copy_(query)
+            if attention_mask is not None:
+                entry.mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
+            if self.device.index != torch.cuda.current_device():
+                with torch.cuda.device(self.device):
+                    entry.graph.replay()
+            else:
+                entry.graph.replay()
+            return entry.out
+        # This storage version's first step of this shape: run it eagerly (it compiles the kernels), then capture it
+        # for the next ones, over buffers of its own.
+        mask = None
+        if attention_mask is not None:
+            mask = torch.zeros((*attention_mask.shape[:3], self.capacity), dtype=torch.bool, device=self.device)
+            mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
+        entry = _Graph(self._version, query.contiguous().clone(), mask)
+        out = self._graph_step(entry, scaling, softcap, s_aux)
+        try:
+            entry.graph, entry.out = self.graph_pools.capture(
+                self.device, lambda: self._graph_step(entry, scaling, softcap, s_aux))
+        except RuntimeError as error:
+            warnings.warn(f"hf_kvcache: a decode step could not be captured in a CUDA graph "
+                          f"({str(error).splitlines()[0]}); this layer runs its steps eagerly from now on",
+                          RuntimeWarning, stacklevel=2)
+            self.cuda_graphs = False
+            return out
+        self._graphs = {k: v for k, v in self._graphs.items() if v.version == self._version}
+        self._graphs[key] = entry
+        return out
+
+    def _graph_step(self, entry: _Graph, scaling: float, softcap: float | None,
+                    s_aux: torch.Tensor | None) -> torch.Tensor:
+        """One decode step from `_inputs` and `entry`'s buffers, device work only (what a CUDA graph records): store the
+        token at the length, advance it, attend with the kernels (every length read from the device)."""
+        inputs = self._inputs
+        k = inputs.k
+        if self.policy.key_rotation is not None:
+            k = self.policy.key_rotation.apply(k)
+        p = self.length + torch.arange(1, device=self.device)
+        self._streams["keys"].write(k, p, self.pad_lengths, self._first_position)
+        self._streams["values"].write(inputs.v, p, self.pad_lengths, self._first_position)
+        self.length.add_(1)
+        return kernels.ops.static_decode_attention(
+            self.rotate_query(entry.q), self.key_stream.kernel_view(), self.value_stream.kernel_view(), k, inputs.v,
+            self.static_layout(), exact_new=not self.quantize_before_attention, attention_mask=entry.mask,
+            scaling=scaling, softcap=softcap, s_aux=s_aux)
+
+    # ------------------------------------------------------------------ reading
+    def _held_dense(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        """`(B, Hkv, held, D)` of one stream dequantized, the new tokens exact unless `quantize_before_attention`, keys
+        rotated back (RotatedCache): the dense read of a growing layer."""
+        x = self._streams[name].dense(self.dtype, self._host_held())
         if not self.quantize_before_attention:
             # Prefill and decode attend to the exact new tokens, to the stored past (as KIVI, KVQuant, vLLM).
             x[:, :, x.shape[2] - new.shape[2] :] = new
         if name == "keys" and self.policy.key_rotation is not None:
             x = self.policy.key_rotation.apply(x, inverse=True)
         return x
+
+    def _stored_dense(self, name: str, new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`(B, Hkv, capacity, D)` of one stream in the stored frame (keys rotated for RotatedCache), the new tokens at
+        held indices `p` exact unless `quantize_before_attention`."""
+        x = self._streams[name].capacity_dense(self.dtype, self.length)
+        if not self.quantize_before_attention:
+            x.index_copy_(2, p.clamp(max=self.capacity - 1), new)
+        return x
+
+    def _capacity_dense(self, name: str, new: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """The dense read of a pinned layer: the whole capacity (the mask, sized for it, hides what is not held), keys
+        rotated back."""
+        x = self._stored_dense(name, new, p)
+        if name == "keys" and self.policy.key_rotation is not None:
+            x = self.policy.key_rotation.apply(x, inverse=True)
+        return x
+
+    def dense_kv(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as `_stored_dense` gives them: the traced fused read's reference for a pinned layer."""
+        p = self.length - k_new.shape[2] + torch.arange(k_new.shape[2], device=k_new.device)
+        return self._stored_dense("keys", k_new, p), self._stored_dense("values", v_new, p)
 
     def rotate_query(self, query: torch.Tensor) -> torch.Tensor:
         """The query in the frame the stored keys are in (`LayerPolicy.key_rotation`): `(B, Hq, Tq, D)`."""
@@ -600,10 +573,12 @@ class QuantizedKVLayer(CacheLayerMixin):
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The held tokens as `(k (B, Hkv, c, D), v (B, Hkv, c, D))` chunks in order, the new ones exact unless
         `quantize_before_attention`: the fused read path's reference, used by the CPU attention."""
+        self.write_pending()
+        held = self._host_held()
         n_new = k_new.shape[2]
-        stop = self.held_tokens if self.quantize_before_attention else self.held_tokens - n_new
-        ks = self._stream_chunks("keys", chunk_tokens, stop)
-        vs = self._stream_chunks("values", chunk_tokens, stop)
+        stop = held if self.quantize_before_attention else held - n_new
+        ks = self._streams["keys"].iter_chunks(self.dtype, chunk_tokens, stop, held)
+        vs = self._streams["values"].iter_chunks(self.dtype, chunk_tokens, stop, held)
         # The two streams may be split into places differently (KIVI): re-chunk them to common boundaries.
         kbuf, vbuf = [], []
         kn = vn = 0
@@ -623,47 +598,93 @@ class QuantizedKVLayer(CacheLayerMixin):
             for i in range(0, n_new, chunk_tokens):  # a long chunk of new tokens, in pieces too
                 yield k_new[:, :, i : i + chunk_tokens], v_new[:, :, i : i + chunk_tokens]
 
-    def _stream_chunks(self, name: str, chunk_tokens: int, stop: int) -> Iterator[torch.Tensor]:
-        return self._streams[name].iter_chunks(self.dtype, chunk_tokens, stop)
+    def kernel_views(self):
+        """`(keys, values)` as the fused kernels read them (`StreamTensors`, None for a codec without a kernel)."""
+        return self.key_stream.kernel_view(), self.value_stream.kernel_view()
 
+    def static_layout(self) -> StaticLayout:
+        k, v = self._streams["keys"], self._streams["values"]
+        return StaticLayout(length=self.length, capacity=self.capacity, sink_tokens=k.sink_tokens,
+                            key_ring=k.ring_length, value_ring=v.ring_length, key_window=k.window,
+                            value_window=v.window)
+
+    # ------------------------------------------------------------------ sliding windows (a growing layer)
     def _window_excess(self) -> int:
-        """How many of the oldest held tokens the next `update()` drops before appending (0 if full)."""
-        if not self.is_sliding:
+        """How many of the oldest held tokens the next `update()` lets go before appending (0 if none): in bulk, at
+        least a margin's worth, as many as keep every packed block whole (`StreamStorage.may_drop`)."""
+        if not self.is_sliding or not self.is_initialized:
             return 0
         keep = self.sliding_window - 1 + _SLIDING_CROP_MARGIN
-        excess = self.held_tokens - keep
-        # Trim in bulk (at least a margin's worth), so the amortized cost per token stays O(1).
+        excess = self._host_held() - keep
         if excess < _SLIDING_CROP_MARGIN:
             return 0
+        held = self._host_held()
         n = excess
-        while n > 0 and not all(s.can_drop_front(n) for s in self._streams.values()):
+        while n > 0 and not all(s.may_drop(n, held) for s in self._streams.values()):
             n -= 1
         return n
 
     def _trim_to_window(self) -> None:
         n = self._window_excess()
-        if n:
-            for s in self._streams.values():
-                s.drop_front_tokens(n)
+        if not n:
+            return
+        held = self._host_held()
+        for s in self._streams.values():
+            s.drop_front(n, held, self.pad_lengths, self._first_position + n)
+        if isinstance(self._first_position, int):
+            self._first_position = torch.zeros((), dtype=torch.long, device=self.device)
+            self._version += 1
+        self._first_position.add_(n)  # in place: a captured step reads it
+        self.length.sub_(n)
+        self._host_length = held - n
+        if self.capacity > 2 * _grown(held - n):
+            # Give back the capacity a long chunk (a prefill) left behind: a sliding layer would otherwise keep the
+            # largest chunk it ever saw allocated, however short its window.
+            self._resize(_grown(held - n))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.pinned:
+            # The whole capacity, eager or not: `generate` builds the mask of a compileable cache eagerly, before the
+            # step it compiles.
+            return self.max_cache_len, 0
         # Called before `update()`: size the mask from what update() attends to, after its trim.
         held = self.held_tokens - self._window_excess()
         return held + query_length, self.cumulative_length - held
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self):
+        if self.pinned:
+            # A device tensor, as transformers' StaticLayer returns: generate builds positions from it without a sync.
+            return self.length if self.is_initialized else 0
         return self.cumulative_length
 
     def get_max_length(self) -> int:
-        return -1
+        return self.max_cache_len if self.pinned else -1
 
+    def get_max_cache_shape(self) -> int:
+        return self.get_max_length()
+
+    # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
         for s in self._streams.values():
             s.codec.reset()
-        # Forget the sequence, not how it is read: the cache sets these flags once (paper protocol).
-        fused, quantize_before_attention = self.fused, self.quantize_before_attention
-        self.__init__(self.policy, self.sliding_window)
-        self.fused, self.quantize_before_attention = fused, quantize_before_attention
+        if not self.pinned:
+            # Forget the sequence and give its storage back; how it is read stays (the cache sets these flags once).
+            for s in self._streams.values():
+                s.packed, s.sink, s.ring, s.capacity = {}, None, None, 0
+            self._forget()
+            return
+        # A pinned storage stays (a compiled step's CUDA graph replays over its addresses); the next tokens overwrite it.
+        if self.is_initialized:
+            self._writable()
+            self.length.zero_()
+            for s in self._streams.values():
+                s.reset()
+        self._host_length = 0
+        self.cumulative_length = 0
+        self.pad_lengths = None
+        self._pads_settled = False
+        self._pending = False
+        self._version += 1
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end. Like transformers: a negative value removes that many tokens, a positive
@@ -674,57 +695,75 @@ class QuantizedKVLayer(CacheLayerMixin):
         tokens_to_remove = _compat.crop_argument(tokens_to_remove)
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        n = -tokens_to_remove if tokens_to_remove < 0 else self.cumulative_length - tokens_to_remove
+        self._writable()
+        self.write_pending()
+        self.prefetch()  # refilling a window decodes packed rows, with the codec's tensors on the layer's device
+        held = self._host_held()
+        length = self.cumulative_length if not self.pinned else held
+        n = -tokens_to_remove if tokens_to_remove < 0 else length - tokens_to_remove
         if n <= 0:
             return
-        self.prefetch()  # cropping a packed block decodes it, with the codec's tensors on the layer's device
         # A sliding layer that has let its oldest tokens go must still hold the next query's whole window.
-        trimmed = self.held_tokens < self.cumulative_length
-        if n > self.held_tokens or (trimmed and self.held_tokens - n < self.sliding_window - 1):
+        trimmed = held < self.cumulative_length and not self.pinned
+        if n > held or (trimmed and held - n < self.sliding_window - 1):
             window = f" and must keep the {self.sliding_window - 1} the next query attends to" if trimmed else ""
             raise RuntimeError(
-                f"crop would remove {n} tokens but this layer holds only the last {self.held_tokens}{window}; "
-                f"a rollback that deep is not possible"
+                f"crop would remove {n} tokens but this layer holds only the last {held}{window}; a rollback that "
+                f"deep is not possible"
             )
-        for s in self._streams.values():
-            s.crop(n, self.dtype)
+        kept = held - n
+        self.length.fill_(kept)
+        self._host_length = kept
         self.cumulative_length -= n
+        for s in self._streams.values():
+            s.refill_ring(kept, self.dtype)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        # In place: the buffers keep their addresses (and a captured step its inputs).
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)), in_place=True)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
+                        in_place=False)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
 
-    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], in_place: bool) -> None:
+        if not self.is_initialized:
+            return
+        self._writable()
+        self.write_pending()
         if self._offloaded and self.device.type == "cuda":
-            # An offloaded layer is reordered where it is: beam search reorders every step, and bringing every
-            # layer back for it would undo the offloading. The copies out are asynchronous: wait for them before
-            # the host reads the tensors.
+            # An offloaded layer is reordered where it is: beam search reorders every step, and bringing every layer
+            # back for it would undo the offloading. The copies out are asynchronous: wait for them first.
             torch.cuda.synchronize(self.device)
+        in_place = in_place and not self._offloaded
         for s in self._streams.values():
-            s.map_batch(fn)
+            s.map_batch(fn, in_place)
         if self.pad_lengths is not None:
-            self.pad_lengths = fn(self.pad_lengths)
+            self.pad_lengths = self.pad_lengths.copy_(fn(self.pad_lengths)) if in_place else fn(self.pad_lengths)
+        self.batch_size = next(iter(self.key_stream.packed.values())).shape[0]
+        if not in_place:
+            self._version += 1
 
     def offload(self) -> None:
-        """Move the storage of every place (sink, packed fields, residual, codec state) to CPU memory without
-        waiting for the copy (transformers' offloading: `QuantizedKVCache.enable_offloading`). `prefetch` brings it
-        back; every method that touches the storage does so first. A no-op on a CPU layer."""
+        """Move the storage of every place (sink, packed fields, ring, codec state) to CPU memory without waiting for
+        the copy (transformers' offloading: `QuantizedKVCache.enable_offloading`). `prefetch` brings it back; every
+        method that touches the storage does so first. A no-op on a CPU layer. The length stays on the device."""
         if self.is_initialized and not self._offloaded and self.device.type != "cpu":
             for s in self._streams.values():
-                s.map_batch(lambda t: t.to("cpu", non_blocking=True))  # from CUDA: into pinned memory
+                s.move(lambda t: t.to("cpu", non_blocking=True))  # from CUDA: into pinned memory
             self._offloaded = True
+            self._version += 1
 
     def prefetch(self) -> None:
         """Move an offloaded layer's storage back to its device, without waiting (on the current stream)."""
         if self._offloaded:
             for s in self._streams.values():
-                s.map_batch(lambda t: t.to(self.device, non_blocking=True))
+                s.move(lambda t: t.to(self.device, non_blocking=True))
             self._offloaded = False
+            self._version += 1
 
     def stored_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this layer holds, keys then values (where they live: `offload`, device placement)."""
@@ -733,11 +772,13 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> int:
-        """Bytes this layer holds: codes, scales, zeros, codec state, residual and sink (live rows only)."""
-        return sum(s.nbytes() for s in self._streams.values())
+        """Bytes the held tokens take: codes, scales, zeros, codec state, window and sinks (the capacity's spare rows
+        are `allocated_nbytes`)."""
+        held = self.held_tokens
+        return sum(s.nbytes(held) for s in self._streams.values())
 
     def allocated_nbytes(self) -> int:
-        """Bytes allocated, live rows plus preallocated spare capacity."""
+        """Bytes allocated: what is held plus the capacity not filled yet."""
         return sum(s.allocated_nbytes() for s in self._streams.values())
 
 
@@ -745,28 +786,27 @@ class QuantizedKVCache(Cache):
     """A `transformers.Cache` of `QuantizedKVLayer`s, one per decoder layer, built from the model's config.
 
     `policy_factory(layer_idx) -> LayerPolicy` gives each layer its codecs and places. Full-attention layers keep
-    every token; sliding-window (and chunked) layers keep their window; layers that share another layer's K/V
-    get transformers' `DummyLayer`. Models with layers that are not attention (Mamba/linear attention) are
-    refused with a ValueError.
+    every token; sliding-window (and chunked) layers keep their window (with a pinned capacity: every token, masked);
+    layers that share another layer's K/V get transformers' `DummyLayer`. Models with layers that are not attention
+    (Mamba/linear attention) are refused with a ValueError.
 
-    `max_cache_len` (tokens) builds the static form instead (`hf_kvcache.static`): every place allocated up front,
-    lengths on the device, `torch.compile` and CUDA graphs over the decode step.
+    `max_cache_len` (tokens) pins the capacity: every place allocated up front, and `generate` compiles the decode
+    step (transformers' rule: every layer `is_compileable`). None: the capacity grows with what is held, and eager
+    decode steps on CUDA replay a CUDA graph per layer.
     """
 
     def __init__(self, config, policy_factory: Callable[[int], LayerPolicy], max_cache_len: int | None = None):
-        from .static import StaticQuantizedKVLayer, check_max_cache_len
-
         self.config = config
         self._max_cache_len = check_max_cache_len(max_cache_len)  # transformers 5.17 has a read-only max_cache_len
+        self.graph_pools = graphs.GraphPools()
         specs = _compat.layer_specs(config)
         layers: list = []
         for idx, spec in enumerate(specs):
             if spec.kind == "dummy":
                 layers.append(_compat.DummyLayer())
-            elif self._max_cache_len is not None:
-                layers.append(StaticQuantizedKVLayer(policy_factory(idx), self._max_cache_len, spec.sliding_window))
             else:
-                layers.append(QuantizedKVLayer(policy_factory(idx), sliding_window=spec.sliding_window))
+                layers.append(QuantizedKVLayer(policy_factory(idx), spec.sliding_window, self._max_cache_len,
+                                               self.graph_pools))
         super().__init__(layers=layers)
         self.quantize_before_attention = False
         self.offloading = False  # `enable_offloading`
@@ -776,14 +816,17 @@ class QuantizedKVCache(Cache):
         """Keep each layer's storage in CPU memory except while its decoder layer runs, as transformers'
         `DynamicCache(offloading=True)` does: before layer i runs, layer i+1 is copied back on a side stream,
         and layer i is copied out after its step. Only CUDA layers move (a CPU-only model is unchanged);
-        `only_non_sliding` keeps sliding-window layers, which stay small, resident. Returns the cache:
-        `make_cache("int4-g32", model).enable_offloading()`."""
+        `only_non_sliding` keeps sliding-window layers, which stay small, resident. Offloaded layers run their steps
+        eagerly, without CUDA graphs. Returns the cache: `make_cache("int4-g32", model).enable_offloading()`."""
         if self._max_cache_len is not None:
-            raise ValueError("a static cache (max_cache_len) cannot be offloaded: its storage must stay where CUDA "
-                             "graphs replay over it; build the dynamic form (no max_cache_len) to offload")
+            raise ValueError("a cache with a pinned capacity (max_cache_len) cannot be offloaded: its storage must stay "
+                             "where compiled CUDA graphs replay over it; leave max_cache_len out to offload")
         self.offloading = True
         self.only_non_sliding = bool(only_non_sliding)
         self.prefetch_stream = None  # created on the device of the first CUDA update
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, QuantizedKVLayer) and self._offloadable(idx):
+                layer.cuda_graphs = False
         return self
 
     def _offloadable(self, layer_idx: int) -> bool:
@@ -836,10 +879,11 @@ class QuantizedKVCache(Cache):
         return out
 
     def nbytes(self) -> int:
-        """Bytes held by every layer (live rows: codes, scales, zeros, residual, sinks)."""
+        """Bytes the held tokens take in every layer (codes, scales, zeros, windows, sinks)."""
         return sum(layer.nbytes() for layer in self.layers if isinstance(layer, QuantizedKVLayer))
 
     def allocated_nbytes(self) -> int:
+        """Bytes allocated by every layer: what is held plus the capacity not filled yet."""
         return sum(layer.allocated_nbytes() for layer in self.layers if isinstance(layer, QuantizedKVLayer))
 
     def __repr__(self) -> str:

@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per end-to-end generate call")
     bench.add_argument("--prefill-chunk", type=int, default=2048,
                        help="prefill_chunk_size of the end-to-end part's chunked call (0: none)")
+    bench.add_argument("--e2e-modes", default="eager,compiled",
+                       help="forms of each method in the end-to-end part: eager (no max_cache_len), compiled "
+                       "(max_cache_len, generate's compile; adds transformers' StaticCache compiled as a baseline)")
     bench.add_argument("--budget-gb", type=float, default=80.0, help="KV memory budget of the capacity part")
     bench.add_argument(
         "--multi-gpu", action="store_true",
@@ -746,7 +749,10 @@ def _bench(args: argparse.Namespace) -> int:
             capacity_budget_gb=args.budget_gb,
             multi_gpu_layers=args.multi_gpu_layers,
             decode_batches=_int_list(args.decode_batches, "--decode-batches"),
+            e2e_modes=tuple(m for m in args.e2e_modes.split(",") if m),
         )
+        if not cfg.e2e_modes or set(cfg.e2e_modes) - {"eager", "compiled"}:
+            raise UsageError(f"--e2e-modes: choose from eager, compiled (got {args.e2e_modes!r})")
         if args.new_tokens < 3 or args.prefill_chunk < 0:
             raise UsageError(f"--new-tokens must be at least 3 (got {args.new_tokens}) and --prefill-chunk at least "
                              f"0 (got {args.prefill_chunk})")

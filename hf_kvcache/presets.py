@@ -92,11 +92,11 @@ for _bits, (_kb, _vb, _sink, _window) in _TURBO_WIDTHS.items():
     )
 
 
-# The 16-bit baseline of the static form (max_cache_len=, torch.compile): K/V unquantized, through this library's
-# core and kernels, so that a compiled quantized cache is compared with the same machinery at 16 bits.
+# The 16-bit baseline of this library's storage and kernels (eager, or max_cache_len= and torch.compile): K/V
+# unquantized, so that a quantized cache is compared with the same machinery at 16 bits.
 PRESETS["exact"] = Preset(
     ExactCache, {}, "no quantization, K/V in the model dtype through this library's core and kernels: the 16-bit "
-    "baseline of the static form (max_cache_len=, torch.compile)"
+    "baseline of the quantized caches, eager or compiled (max_cache_len=)"
 )
 
 

@@ -11,7 +11,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_kvcache
 from hf_kvcache import _compat, make_cache
-from hf_kvcache.cache import _Stream
+from hf_kvcache.storage import StreamStorage
 from tests.helpers.methods import METHODS
 from tests.helpers.tiny_models import TINY_CONFIGS, left_padded_batch, tiny_model
 
@@ -46,7 +46,7 @@ def test_fused_equals_dense(spec, easy, hard, name, monkeypatch):
     ids, mask = left_padded_batch(dense_model, lengths=(sum(SIZES), 12))
     dense = _teacher_forced(dense_model, ids, mask, make_cache(spec, dense_model, **hard))
     # On the fused path nothing may build a layer's full dense K/V.
-    monkeypatch.setattr(_Stream, "dense", lambda *a, **k: pytest.fail("dense K/V built on the fused path"))
+    monkeypatch.setattr(StreamStorage, "dense", lambda *a, **k: pytest.fail("dense K/V built on the fused path"))
     fused = _teacher_forced(fused_model, ids, mask, make_cache(spec, fused_model, **hard))
     valid = mask.bool()[:, : fused.shape[1]]
     diff = (fused[valid] - dense[valid]).abs()

@@ -2,17 +2,16 @@
 
 Hypothesis drives one layer (no model) through random sequences of `update`, `crop`, `reorder_cache`,
 `batch_select_indices`, `batch_repeat_interleave` and `reset`, on random layouts (block sizes, sinks, residual
-lengths, FIFO or block flushes, sliding windows). The codec is lossless, so the reference is simply every token
-ever stored, keys and values as `(B, H, S, D)` tensors, and every comparison is exact.
+lengths, FIFO or block flushes, sliding windows), with a capacity that grows or a pinned one. The codec is
+lossless, so the reference is simply every token ever stored, keys and values as `(B, H, S, D)` tensors, and every
+comparison is exact.
 
 Channel 0 of every token holds its serial number (the same in every batch row and head), so the test can tell
-which tokens the codec encoded: a token is encoded once when it leaves the residual, and again only if a crop cut
-into its packed block and put it back into the residual.
+which tokens the codec encoded: a per-token stream without a window encodes each token once, as it arrives.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -27,6 +26,7 @@ from tests.helpers.lossless import LosslessCodec
 
 D = 8
 MAX_BATCH = 6  # batch_repeat_interleave may grow the batch up to this
+CAPACITY = 400  # a pinned layer's max_cache_len: 30 steps of at most 12 tokens fit
 STREAMS = ("keys", "values")
 
 
@@ -36,11 +36,14 @@ def layouts(draw) -> dict:
 
     def stream(prefix: str) -> dict:
         block = draw(st.sampled_from([1, 2, 4]), label=f"{prefix}_block")
+        # A FIFO window packs one token at a time as it leaves: per-token codecs only (`storage.check_flush`).
         flush = draw(st.sampled_from(["fifo", "block"]), label=f"{prefix}_flush")
         if flush == "block":  # a positive multiple of the block size
             residual = block * draw(st.integers(1, 9 // block), label=f"{prefix}_residual_blocks")
-        else:
+        elif block == 1:
             residual = draw(st.integers(0, 9), label=f"{prefix}_residual")
+        else:
+            residual = 0  # blocks without a window
         return {f"{prefix}_block": block, f"{prefix}_flush": flush, f"{prefix}_residual": residual}
 
     return {
@@ -51,11 +54,17 @@ def layouts(draw) -> dict:
     }
 
 
-def _flushed(n_residual: int, residual_length: int, block: int, flush: str) -> int:
-    """Tokens the flush rule moves from a residual of `n_residual` tokens to the packed place (the _Stream spec)."""
-    if flush == "block":
-        return (n_residual // residual_length) * residual_length
-    return max((n_residual - residual_length) // block, 0) * block
+def _places(held: int, sink_tokens: int, residual_length: int, block: int, flush: str) -> tuple[int, int, int]:
+    """`(sinks, packed, residual)` tokens of `held` (the storage's spec): a FIFO window keeps its last R tokens exact, a
+    block flush the ones past its last whole window (a block codec without a window: its incomplete block)."""
+    n_sink = min(held, sink_tokens)
+    after = held - n_sink
+    if flush == "fifo" and block > 1 and not residual_length:
+        flush, residual_length = "block", block
+    if not residual_length:
+        return n_sink, after, 0
+    packed = max(after - residual_length, 0) if flush == "fifo" else (after // residual_length) * residual_length
+    return n_sink, packed, after - packed
 
 
 class LayerMachine(RuleBasedStateMachine):
@@ -71,15 +80,17 @@ class LayerMachine(RuleBasedStateMachine):
         # small margins make windows trim (and crops reach their limit) within a 30-step sequence.
         margin=st.sampled_from([1, 2, 3, 8, cache_module._SLIDING_CROP_MARGIN]),
         quantize_before_attention=st.booleans(),
+        pinned=st.booleans(),
     )
-    def build(self, layout, batch, heads, seed, margin, quantize_before_attention):
+    def build(self, layout, batch, heads, seed, margin, quantize_before_attention, pinned):
         self.saved_margin = cache_module._SLIDING_CROP_MARGIN
         cache_module._SLIDING_CROP_MARGIN = margin
         self.layout = layout
-        self.window = layout["sliding_window"]
+        self.pinned = pinned
+        # A pinned capacity keeps every token of a sliding layer (its mask applies the window): no window to track.
+        self.window = None if pinned else layout["sliding_window"]
         self.codecs = {"keys": LosslessCodec(layout["key_block"]), "values": LosslessCodec(layout["value_block"])}
         self.encoded = {name: Counter() for name in STREAMS}  # serial -> times encoded
-        self.repacks = {name: Counter() for name in STREAMS}  # serial -> times a crop unpacked it again
         for name, codec in self.codecs.items():
             original = codec.encode
 
@@ -97,7 +108,8 @@ class LayerMachine(RuleBasedStateMachine):
             key_flush=layout["key_flush"],
             value_flush=layout["value_flush"],
         )
-        self.layer = QuantizedKVLayer(policy, sliding_window=self.window)
+        self.layer = QuantizedKVLayer(policy, sliding_window=layout["sliding_window"],
+                                      max_cache_len=CAPACITY if pinned else None)
         self.quantize_before_attention = quantize_before_attention
         self.layer.quantize_before_attention = quantize_before_attention
         self.heads = heads
@@ -112,8 +124,6 @@ class LayerMachine(RuleBasedStateMachine):
     def _clear(self, batch: int) -> None:
         self.ops_since_reset = 0
         self.model = {name: torch.zeros(batch, self.heads, 0, D) for name in STREAMS}  # (B, H, S, D)
-        # Exact places (sink, packed, residual) per stream; full layers only (a window trims when it chooses).
-        self.places = None if self.window else {name: [0, 0, 0] for name in STREAMS}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -142,10 +152,12 @@ class LayerMachine(RuleBasedStateMachine):
         return [int(s) for s in self.model["keys"][0, 0, start + lo : start + hi, 0].tolist()]
 
     # ------------------------------------------------------------------ operations
+    @precondition(lambda self: self.total + 12 <= CAPACITY)
     @rule(t=st.integers(1, 12), fused=st.booleans(), chunk=st.integers(1, 7))
     def update(self, t, fused, chunk):
         self._update(t, fused, chunk)
 
+    @precondition(lambda self: self.total + 1 <= CAPACITY)
     @rule(fused=st.booleans(), chunk=st.integers(1, 7))
     def decode(self, fused, chunk):
         """One token, generation's common case (a second update rule also makes long sequences likelier)."""
@@ -154,9 +166,8 @@ class LayerMachine(RuleBasedStateMachine):
     def _update(self, t: int, fused: bool, chunk: int) -> None:
         self.ops_since_reset += 1
         layer = self.layer
-        held_before, total_before = layer.held_tokens, self.total
+        held_before = layer.held_tokens
         kv_len, offset = layer.get_mask_sizes(t)  # what transformers sizes this step's mask from
-        residual_before = {name: self._stream(name).n_residual for name in STREAMS}
         k_new = self._new_tokens(t)
         v_new = -self._new_tokens(t)
         v_new[..., 0] = k_new[..., 0]  # the same serials in both streams
@@ -169,6 +180,9 @@ class LayerMachine(RuleBasedStateMachine):
         for name, x in zip(STREAMS, (k_new, v_new)):
             self.model[name] = torch.cat([self.model[name], x], dim=2)
 
+        if self.pinned:
+            assert (kv_len, offset) == (CAPACITY, 0)
+            kv_len, offset = self.total, 0
         assert offset + kv_len == self.total, (kv_len, offset, self.total)
         if not self.window:
             assert (kv_len, offset) == (held_before + t, 0)
@@ -183,22 +197,11 @@ class LayerMachine(RuleBasedStateMachine):
             got = [torch.cat([c[i] for c in chunks], dim=2) for i in (0, 1)]
         else:
             got = list(out)
+            if self.pinned:  # the whole capacity, the rows past the length hidden by the mask
+                got = [g[:, :, : self.total] for g in got]
         for g, e, name in zip(got, expected, STREAMS):
             assert g.shape == e.shape, (name, g.shape, e.shape)
             assert torch.equal(g, e), name
-
-        for name in STREAMS:
-            stream = self._stream(name)
-            residual_length, block, flush = self._spec(name)
-            bound = residual_length if flush == "block" else residual_length + block
-            assert stream.n_residual < bound, (name, stream.n_residual, bound)
-            if self.places is not None:
-                s, p, r = self.places[name]
-                into_sink = min(max(self.layout["sink_tokens"] - total_before, 0), t)
-                s, r = s + into_sink, r + t - into_sink
-                assert r == residual_before[name] + t - into_sink
-                moved = _flushed(r, residual_length, block, flush)
-                self.places[name] = [s, p + moved, r - moved]
 
     @precondition(lambda self: self.total > 0)
     @rule(data=st.data(), as_length=st.booleans())
@@ -209,8 +212,6 @@ class LayerMachine(RuleBasedStateMachine):
         held, total = layer.held_tokens, self.total
         # A rollback is possible while what remains still covers the window of the next query.
         possible = not self.window or held - n >= min(total - n, self.window - 1)
-        packed_before = {name: set(self._serials(self._stream(name).n_sink, self._stream(name).n_sink
-                                                 + self._stream(name).n_packed)) for name in STREAMS}
         # As a length only when positive: 0 is transformers 5.24's `crop(-0)`, "remove nothing" (the layer's crop).
         arg = total - n if as_length and total > n else -n
         if not possible:
@@ -221,26 +222,6 @@ class LayerMachine(RuleBasedStateMachine):
         layer.crop(arg)
         for name in STREAMS:
             self.model[name] = self.model[name][:, :, : total - n]
-            stream = self._stream(name)
-            _, block, _ = self._spec(name)
-            # Tokens of a packed block the crop cut into are back in the residual (fewer than a block), to be
-            # encoded again later.
-            residual = self._serials(stream.n_sink + stream.n_packed, layer.held_tokens)
-            unpacked = [s for s in residual if s in packed_before[name]]
-            assert len(unpacked) < block, (name, unpacked)
-            if unpacked:
-                event("crop: unpacked part of a block")
-            self.repacks[name].update(unpacked)
-            if self.places is not None:
-                s, p, r = self.places[name]
-                m = n
-                take = min(m, r)
-                r, m = r - take, m - take
-                if m and p:
-                    tail = min(math.ceil(m / block), p // block) * block
-                    removed = min(m, tail)
-                    p, r, m = p - tail, r + tail - removed, m - removed
-                self.places[name] = [s - min(m, s), p, r]
 
     @rule(kind=st.sampled_from(["reorder", "select", "repeat"]), data=st.data())
     def batch_op(self, kind, data):
@@ -265,7 +246,8 @@ class LayerMachine(RuleBasedStateMachine):
     @rule(batch=st.integers(2, 3))
     def reset(self, batch):
         self.layer.reset()
-        self._clear(batch)
+        # A pinned storage stays allocated for its batch (a compiled step's CUDA graph replays over it).
+        self._clear(self.batch if self.pinned and self.layer.is_initialized else batch)
         # Resetting forgets the sequence, not how the layer reads it.
         assert self.layer.quantize_before_attention == self.quantize_before_attention
 
@@ -273,24 +255,23 @@ class LayerMachine(RuleBasedStateMachine):
     @invariant()
     def lengths_and_window(self):
         layer, total = self.layer, self.total
-        assert layer.get_seq_length() == total
+        assert int(layer.get_seq_length()) == total
         held = layer.held_tokens
         assert held <= total
-        for name in STREAMS:
-            assert len(self._stream(name)) == held
         if self.window:
             assert held >= min(total, self.window - 1), (held, total, self.window)
-            assert layer.key_stream.n_sink == 0  # sinks are dead weight on a sliding layer
+            assert layer.key_stream.sink_tokens == 0  # sinks are dead weight on a sliding layer
         else:
             assert held == total
-            assert layer.key_stream.n_sink == min(self.layout["sink_tokens"], total)
 
     @invariant()
     def mask_sizes(self):
         layer, total, held = self.layer, self.total, self.layer.held_tokens
         for q in (1, 5):
             kv_len, offset = layer.get_mask_sizes(q)
-            if not self.window:
+            if self.pinned:
+                assert (kv_len, offset) == (CAPACITY, 0)
+            elif not self.window:
                 assert (kv_len, offset) == (held + q, total - held)
             else:
                 # A sliding layer may let its oldest tokens go before the next append: the mask covers what the
@@ -304,39 +285,49 @@ class LayerMachine(RuleBasedStateMachine):
         if held == 0:
             return
         for name in STREAMS:
-            got = self._stream(name).dense(torch.float32)
+            got = self._stream(name).dense(torch.float32, held)
             expected = self.model[name][:, :, self.total - held :]
             assert got.shape == expected.shape, (name, got.shape, expected.shape)
             assert torch.equal(got, expected), name
 
     @invariant()
     def places(self):
-        if self.places is None:
+        held = self.layer.held_tokens
+        if not self.layer.is_initialized:
             return
+        sinks = 0 if self.layout["sliding_window"] else self.layout["sink_tokens"]
         for name in STREAMS:
-            stream = self._stream(name)
-            got = [stream.n_sink, stream.n_packed, stream.n_residual]
-            assert got == self.places[name], (name, got, self.places[name])
+            residual, block, flush = self._spec(name)
+            got = self._stream(name).split(held)[:3]
+            assert got == _places(held, sinks, residual, block, flush), (name, got)
 
     @invariant()
-    def each_token_encoded_once_unless_a_crop_unpacked_it(self):
+    def per_token_codes_are_encoded_once(self):
+        """A stream of one-token codes without a window encodes each token as it arrives, never again (a crop or a
+        sliding window only lets tokens go)."""
+        held = self.layer.held_tokens
         for name in STREAMS:
-            stream = self._stream(name)
-            encoded, repacks = self.encoded[name], self.repacks[name]
-            s, p = stream.n_sink, stream.n_packed
-            for serial in self._serials(0, s):
-                assert encoded[serial] == 0, (name, "sink", serial)
-            for serial in self._serials(s, s + p):
-                assert encoded[serial] == 1 + repacks[serial], (name, "packed", serial, encoded[serial])
-            for serial in self._serials(s + p, self.layer.held_tokens):
-                assert encoded[serial] == repacks[serial], (name, "residual", serial, encoded[serial])
-            # Nothing outside the model's tokens was ever encoded, and nothing more often than allowed.
-            assert all(0 <= k < self.serial and c <= 1 + repacks[k] for k, c in encoded.items())
+            residual, block, _ = self._spec(name)
+            if block != 1 or residual:
+                continue
+            s = self._stream(name).split(held)[0]
+            encoded = self.encoded[name]
+            assert all(encoded[serial] == 0 for serial in self._serials(0, s)), (name, "sink")
+            assert all(encoded[serial] == 1 for serial in self._serials(s, held)), (name, "packed")
+            assert all(c <= 1 for c in encoded.values()), name
 
     @invariant()
     def nbytes_count_held_tokens(self):
+        """The packed tokens, and the sinks and the window at their full size (`StreamStorage.nbytes`)."""
         per_token = self.batch * self.heads * D * 4  # float32
-        assert self.layer.nbytes() == 2 * per_token * self.layer.held_tokens
+        held = self.layer.held_tokens
+        sinks = 0 if self.layout["sliding_window"] else self.layout["sink_tokens"]
+        expected = 0
+        for name in STREAMS:
+            residual, block, flush = self._spec(name)
+            ring = residual or (block if block > 1 else 0)  # blocks without a window: a ring of one block
+            expected += per_token * (sinks + ring + _places(held, sinks, residual, block, flush)[1]) if held else 0
+        assert self.layer.nbytes() == expected
         assert self.layer.allocated_nbytes() >= self.layer.nbytes()
 
 

@@ -30,5 +30,5 @@ def test_generate_on_cuda_bf16(spec, easy, hard, name, attn):
         for layer in cache.layers:
             if getattr(layer, "held_tokens", 0):
                 for stream in (layer.key_stream, layer.value_stream):
-                    dense = stream.dense(torch.float32)
+                    dense = stream.dense(torch.float32, layer.held_tokens)
                     assert dense.is_cuda and torch.isfinite(dense).all()

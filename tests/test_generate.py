@@ -111,7 +111,7 @@ def test_prompt_lookup_crops_rejected_drafts(spec, easy, hard, attn):
     assert any(n > 0 for n in crops), f"no draft was rejected, crop never removed anything: {crops}"
     assert cache.get_seq_length() == 40 + 16 - 1
     for layer in cache.layers:  # every token is held, or let go by a sliding window
-        assert layer.key_stream.first_position + layer.held_tokens == 55
+        assert layer.first_position + layer.held_tokens == 55
         assert layer.is_sliding or layer.held_tokens == 55
     assert_cache_finite(cache)
 
@@ -200,12 +200,12 @@ def test_rows_of_1_and_200_tokens_generate_past_every_boundary(spec, easy, hard,
     for layer in cache.layers:
         if layer.is_sliding:
             assert layer.sliding_window - 1 <= layer.held_tokens <= layer.sliding_window - 1 + 2 * 8
-            assert layer.key_stream.first_position + layer.held_tokens == 263
+            assert layer.first_position + layer.held_tokens == 263
         else:
             assert layer.held_tokens == 263
     if spec.startswith("kivi"):
         full = next(layer for layer in cache.layers if not layer.is_sliding)
-        assert full.key_stream.n_packed == 256  # the 128-token window flushed twice
+        assert full.key_stream.split(full.held_tokens)[1] == 256  # the 128-token window flushed twice
     assert_cache_finite(cache)
 
 
@@ -250,7 +250,8 @@ def test_kivi_generates_past_its_window_on_the_default_model(default_model):
         cache = make_cache(spec, model)
         losses[spec] = teacher_forced.loss(teacher_forced.teacher_forced_logits(model, cont, cache), cont.targets)
         assert_cache_finite(cache)
-        assert cache.layers[0].key_stream.n_packed >= 128  # the window flushed at least once
+        layer = cache.layers[0]
+        assert layer.key_stream.split(layer.held_tokens)[1] >= 128  # the window flushed at least once
     print(f"teacher-forced losses: {losses}")
     # Measured: none 0.512, kivi-4 0.512, kivi-2 (the preset) 0.516.
     assert losses["kivi-4"] <= losses["none"] * 1.01, losses

@@ -38,8 +38,9 @@ class ExactCache(QuantizedKVCache):
     Args:
         config: the model's config (`model.config`).
         sink_tokens: accepted for symmetry with the other methods (every token is exact anyway; default 0).
-        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
-            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
+        max_cache_len: the capacity pinned: storage for this many tokens allocated up front, and `generate`
+            compiles the decode step (`torch.compile`, CUDA graphs); None (default): a capacity that grows as tokens
+            come (on CUDA its eager decode steps replay CUDA graphs).
     """
 
     def __init__(self, config, *, max_cache_len: int | None = None, sink_tokens: int = 0):

@@ -147,8 +147,9 @@ class QuantizedFP8Cache(QuantizedKVCache):
             scales (default 2); for an artifact, None (default) takes its fitted scales, and a number gives
             `amax * headroom / fp8_max`.
         sink_tokens, residual_length: tokens kept in the model dtype at the start / end (default 0).
-        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
-            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
+        max_cache_len: the capacity pinned: storage for this many tokens allocated up front, and `generate`
+            compiles the decode step (`torch.compile`, CUDA graphs); None (default): a capacity that grows as tokens
+            come (on CUDA its eager decode steps replay CUDA graphs).
     """
 
     def __init__(

@@ -88,8 +88,9 @@ class QuantizedIntCache(QuantizedKVCache):
         sink_tokens: first tokens kept in the model dtype (default 0).
         residual_length: most recent tokens kept in the model dtype (default 0).
         clip_ratio: asymmetric groups quantize the range [min * r, max * r] (default 1: no clipping).
-        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
-            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
+        max_cache_len: the capacity pinned: storage for this many tokens allocated up front, and `generate`
+            compiles the decode step (`torch.compile`, CUDA graphs); None (default): a capacity that grows as tokens
+            come (on CUDA its eager decode steps replay CUDA graphs).
     """
 
     def __init__(

@@ -64,8 +64,9 @@ class PerChannelKeyCodec(Codec):
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor | None = None,
                complete: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """`complete (n,)` bool (the static form): blocks not complete yet are never read, and the kernel writes
-        them as zeros without quantizing; the reference quantizes every block."""
+        """`complete (n,)` bool (a compiled or CUDA-graphed step, which packs the newest token's block every step):
+        blocks not complete yet are never read, and the kernel writes them as zeros without quantizing; the reference
+        quantizes every block."""
         b, h, t, d = x.shape
         g = self.block_size
         if self._kernel(x):
@@ -77,7 +78,7 @@ class PerChannelKeyCodec(Codec):
             self.encode_into(x, valid, out, complete)
             return out
         blocks = x.float().reshape(b, h, t // g, g, d)  # (B, H, n, G, D): a group is one channel of a block
-        # Traced (the static form under torch.compile), the fill runs always: a no-op where every token is valid.
+        # Traced (a pinned capacity under torch.compile), the fill runs always: a no-op where every token is valid.
         if valid is not None and (torch.compiler.is_compiling() or not bool(valid.all())):
             blocks = _fill_padding(blocks, valid.reshape(b, 1, t // g, g, 1))
         q = quantize_uniform(blocks, self.bits, axis=3, group_size=None, range_search=self.range_search)
@@ -120,8 +121,9 @@ class KIVICache(QuantizedKVCache):
         key_range_search: choose each key group's range by least squared error over `KEY_RANGE_GRID` instead of
             min/max (default False, KIVI as published). Same bytes; measured to help 2-bit keys on the default
             model (see the README's KIVI section).
-        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
-            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
+        max_cache_len: the capacity pinned: storage for this many tokens allocated up front, and `generate`
+            compiles the decode step (`torch.compile`, CUDA graphs); None (default): a capacity that grows as tokens
+            come (on CUDA its eager decode steps replay CUDA graphs).
     """
 
     def __init__(

@@ -211,8 +211,9 @@ class KVQuantCache(QuantizedKVCache):
         outlier_fraction: share of each token vector kept exact in sparse slots (default 0.01; 0 turns the
             sparse part off and clamps to the calibrated ranges).
         sink_tokens: first tokens kept exact (default 1).
-        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
-            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
+        max_cache_len: the capacity pinned: storage for this many tokens allocated up front, and `generate`
+            compiles the decode step (`torch.compile`, CUDA graphs); None (default): a capacity that grows as tokens
+            come (on CUDA its eager decode steps replay CUDA graphs).
         pre_rope: quantize keys before RoPE (default True; False is the post-RoPE ablation, with the
             calibration's post-RoPE thresholds and codebooks).
         nuq: the calibrated codebooks (default True; False is the uniform ablation: 2^bits evenly spaced levels

@@ -122,8 +122,9 @@ class RotatedCache(QuantizedKVCache):
         clip_ratio: range `[min * r, max * r]` of each group (default 0.9 at 4 bits, 0.8 at 3, 0.6 at 2).
         sink_tokens: first tokens kept in the model dtype (default 0).
         residual_length: most recent tokens kept in the model dtype (default 0).
-        max_cache_len: the static form (`hf_kvcache.static`): storage for this many tokens allocated up front, what
-            `torch.compile` and CUDA graphs need; None (default): the dynamic form, which grows as it goes.
+        max_cache_len: the capacity pinned: storage for this many tokens allocated up front, and `generate`
+            compiles the decode step (`torch.compile`, CUDA graphs); None (default): a capacity that grows as tokens
+            come (on CUDA its eager decode steps replay CUDA graphs).
     """
 
     def __init__(

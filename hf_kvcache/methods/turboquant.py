@@ -31,8 +31,8 @@ and 2 of residual norm more, the codebook one bit narrower).
 
 The fused attention (`hf_kvcache.kernels.turbo`) reads the codes where they lie: the codec's rotation (and the split's
 channel order) is the format's `frame` F, orthogonal, so `q . k = (q F) . (k F)`; the kernel gets the query rotated
-once per step, scores against `length * codebook[code]` part by part, and its output is rotated back by F^T. It reads
-the dynamic form and the static one (compiled decode). On the kernels' backend the codes are written by a pack kernel
+once per step, scores against `length * codebook[code]` part by part, and its output is rotated back by F^T, eager
+and compiled alike. On the kernels' backend the codes are written by a pack kernel
 (`kernels.ops.pack_turbo`) after the rotation, which PyTorch applies as the reference does. QJL keys have no kernel
 (the reference path reads and writes them).
 """
@@ -416,7 +416,7 @@ class TurboQuantCache(QuantizedKVCache):
         residual_length: most recent tokens kept in the model dtype (default 0).
         key_bits, value_bits: the keys' and the values' widths when they differ from `bits` (each one of the
             widths above; the presets `turboquant-3.5` and `-3` give the keys half a bit more than the values).
-        max_cache_len: the static form (`hf_kvcache.static`); None (default): the dynamic form.
+        max_cache_len: the capacity pinned (compiled decode); None (default): a capacity that grows.
     """
 
     def __init__(

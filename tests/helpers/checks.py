@@ -12,4 +12,4 @@ def assert_cache_finite(cache) -> None:
     for idx, layer in enumerate(cache.layers):
         if isinstance(layer, QuantizedKVLayer) and layer.held_tokens:
             for name, stream in (("keys", layer.key_stream), ("values", layer.value_stream)):
-                assert torch.isfinite(stream.dense(torch.float32)).all(), f"layer {idx} {name}: NaN or inf"
+                assert torch.isfinite(stream.dense(torch.float32, layer.held_tokens)).all(), f"layer {idx} {name}: NaN or inf"

@@ -64,7 +64,7 @@ def test_dynamic_scale_behind_a_residual_window_sees_the_whole_prompt(sink_token
     for _ in range(3):
         step = torch.randn(2, 2, 1, 64)
         layer.update(step, step)
-    assert layer.key_stream.n_packed == 2
+    assert layer.key_stream.split(layer.held_tokens)[1] == 2
     torch.testing.assert_close(layer.key_stream.codec.state["scale"], want)  # frozen
 
 

@@ -51,11 +51,12 @@ def test_matches_algorithm_1(pattern, bits, sink):
         real = real.unsqueeze(-1).expand_as(keys)
         torch.testing.assert_close(keys[real], want_k[real])
         torch.testing.assert_close(values, want_v)
-        ks, vs = layer.key_stream, layer.value_stream
+        (k_sink, _, k_res, _), (v_sink, _, v_res, _) = (s.split(layer.held_tokens)
+                                                        for s in (layer.key_stream, layer.value_stream))
         body = max(pos - sink, 0)
-        assert ks.n_residual == body % r < r
-        assert vs.n_residual == min(body, r)
-        assert ks.n_sink == vs.n_sink == min(pos, sink)
+        assert k_res == body % r < r
+        assert v_res == min(body, r)
+        assert k_sink == v_sink == min(pos, sink)
 
 
 def test_padding_never_enters_a_key_group():
@@ -81,49 +82,32 @@ def test_bytes_per_token_at_8k_is_within_budget():
     layer.update(x, x)
     sixteen_bit = 2 * 2 * 2 * 64 * 8192  # bytes * (K, V) * heads * head_dim * tokens
     ratio = layer.nbytes() / sixteen_bit
-    # Keys: 8192 is a multiple of R, all packed; values: the last 128 exact (bf16), the rest packed.
+    # Keys: 8192 is a multiple of R, all packed, and the window's 128 rows, empty after the flush but the sequence's
+    # as it fills again; values: the last 128 exact (bf16), the rest packed.
+    keys = (8192 * 0.1875 + 128 * 1.0) / 8192
     values = (8064 * 0.1875 + 128 * 1.0) / 8192
-    assert ratio == pytest.approx((0.1875 + values) / 2, abs=1e-4)
+    assert ratio == pytest.approx((keys + values) / 2, abs=1e-4)
     assert ratio <= 0.21
 
 
 def test_crop_inside_a_packed_key_block_keeps_earlier_values():
+    """A crop back into the last whole window: its keys are read from the window again, the ones whose rows later
+    keys took back from their packed blocks (dequantized), the others as they came."""
     cache = KIVICache(LLAMA, bits=2, group_size=32, residual_length=64)
     layer = cache.layers[0]
     k, v = torch.randn(1, 2, 150, 64), torch.randn(1, 2, 150, 64)
-    layer.update(k, v)  # keys: 128 packed, 22 residual
-    before = (layer.key_stream.dense(torch.float32), layer.value_stream.dense(torch.float32))
-    layer.crop(-40)  # cuts into the second packed key block
-    assert layer.get_seq_length() == 110
-    torch.testing.assert_close(layer.key_stream.dense(torch.float32), before[0][:, :, :110])
-    torch.testing.assert_close(layer.value_stream.dense(torch.float32), before[1][:, :, :110])
-    assert layer.key_stream.n_residual < 64 + 32
-    layer.update(k[:, :, 110:], v[:, :, 110:])  # refills to 150
-    # Only the cut block was unpacked: 96 keys stay packed, the 14 kept and 40 new wait in the window.
-    assert layer.get_seq_length() == 150 and layer.key_stream.n_packed == 96 and layer.key_stream.n_residual == 54
+    layer.update(k, v)  # keys: 128 packed, 22 in the window (rows 0-21)
+    assert layer.key_stream.split(150)[:3] == (0, 128, 22)
 
+    def held(stream):
+        return stream.dense(torch.float32, layer.held_tokens)
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        (dict(bits=1), "bits=1"),
-        (dict(group_size=16), "group_size=16"),
-        (dict(residual_length=48), "multiple of group_size=32"),
-        (dict(residual_length=0), "positive multiple"),
-        (dict(sink_tokens=-2), "sink_tokens"),
-    ],
-)
-def test_bad_parameters(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        KIVICache(LLAMA, **kwargs)
-
-
-def test_key_range_search_lowers_key_error_at_two_bits():
-    k = outlier_keys(b=2, h=2, s=256, d=64)
-    errors = {}
-    for search in (False, True):
-        cache = KIVICache(LLAMA, bits=2, residual_length=128, key_range_search=search)
-        cache.quantize_before_attention = True
-        keys, _ = cache.layers[0].update(k, k)
-        errors[search] = sqnr_db(k, keys)
-    assert errors[True] > errors[False] + 0.5, errors
+    before = (held(layer.key_stream), held(layer.value_stream))
+    layer.crop(-40)  # into the second window of keys
+    assert layer.get_seq_length() == 110 and layer.key_stream.split(110)[:3] == (0, 64, 46)
+    keys = held(layer.key_stream)
+    torch.testing.assert_close(keys[:, :, :86], before[0][:, :, :86])  # packed, or taken back from packed blocks
+    torch.testing.assert_close(keys[:, :, 86:], k[:, :, 86:110])  # still in their window rows: exact
+    torch.testing.assert_close(held(layer.value_stream), before[1][:, :, :110])
+    layer.update(k[:, :, 110:], v[:, :, 110:])  # refills to 150: the window flushes again
+    assert layer.get_seq_length() == 150 and layer.key_stream.split(150)[:3] == (0, 128, 22)

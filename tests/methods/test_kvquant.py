@@ -30,7 +30,8 @@ def _sqnr_db(x, y):
 def _stored(cache, k, v):
     layer = cache.layers[1]
     layer.update(k, v)
-    return layer.key_stream.dense(torch.float32), layer.value_stream.dense(torch.float32)
+    return (layer.key_stream.dense(torch.float32, layer.held_tokens),
+            layer.value_stream.dense(torch.float32, layer.held_tokens))
 
 
 @pytest.mark.smoke

@@ -167,7 +167,7 @@ def test_keys_are_stored_rotated_and_read_back_unrotated():
     k, v = torch.randn(1, 2, 41, 64, generator=g), torch.randn(1, 2, 41, 64, generator=g)
     layer.update(k[:, :, :40], v[:, :, :40])
     dense_k, _ = layer.update(k[:, :, 40:], v[:, :, 40:])
-    stored = layer.key_stream.dense(torch.float32)  # what the places hold: rotated keys, quantized
+    stored = layer.key_stream.dense(torch.float32, layer.held_tokens)  # what the places hold: rotated keys, quantized
     rotation = cache.fusion.rotation
     torch.testing.assert_close(dense_k[:, :, :40], rotation.apply(stored[:, :, :40], inverse=True), atol=1e-5,
                                rtol=1e-5)

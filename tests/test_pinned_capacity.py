@@ -1,6 +1,6 @@
-"""The static form (`hf_kvcache.static`, `max_cache_len=`): the same tokens as the dynamic form, a decode step that
-dynamo traces whole (`fullgraph=True`), and clear errors for what it cannot do. On CUDA: greedy tokens of the
-compiled step (transformers' own compile rule: Inductor and CUDA graphs) equal the eager step's, with no
+"""A pinned capacity (`max_cache_len=`, `QuantizedKVLayer.pinned`): the same tokens as a capacity that grows, a decode
+step that dynamo traces whole (`fullgraph=True`), and clear errors for what it cannot do. On CUDA: greedy tokens of
+the compiled step (transformers' own compile rule: Inductor and CUDA graphs) equal the eager step's, with no
 recompile over a long generation, and storage within 2% of the planner's bytes."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import torch
 from transformers.generation.configuration_utils import CompileConfig
 
 from hf_kvcache import _compat, make_cache, unfuse
-from hf_kvcache.static import StaticQuantizedKVLayer
 from tests.helpers.methods import STATIC_METHODS as METHODS, TURBOQUANT_KERNEL
 from tests.helpers.tiny_models import left_padded_batch, tiny_input_ids, tiny_model
 
@@ -35,11 +34,12 @@ def _unique_graphs() -> int:
 @pytest.mark.parametrize("attn", ["sdpa", "hf_kvcache"])
 @pytest.mark.parametrize("name", ["llama", "gemma"])
 @pytest.mark.parametrize("spec,easy,hard", METHODS, ids=IDS)
-def test_static_form_generates_the_dynamic_forms_tokens(spec, easy, hard, name, attn):
-    """Same codes, same places, same reads: greedy tokens of the static form equal the dynamic form's, left
-    padding, sinks, windows, KIVI's flushes and sliding layers (gemma) included. In float64: the static dense read
-    attends over the whole capacity under a mask, the dynamic one over what is held, and in float32 the different
-    summation order alone can flip a near-tied token of a random tiny model (measured once in 40 cases)."""
+def test_pinned_capacity_generates_a_growing_capacitys_tokens(spec, easy, hard, name, attn):
+    """Same codes, same places, same reads: greedy tokens of a pinned capacity equal a growing one's, left padding,
+    sinks, windows, KIVI's flushes and sliding layers (gemma: kept whole and masked when pinned, let go when growing)
+    included. In float64: the pinned dense read attends over the whole capacity under a mask, the growing one over
+    what is held, and in float32 the different summation order alone can flip a near-tied token of a random tiny
+    model (measured once in 40 cases)."""
     model = tiny_model(name, attn).double()
     ids, mask = left_padded_batch(model, lengths=(23, 7))
     for kwargs in (easy, hard):
@@ -47,7 +47,7 @@ def test_static_form_generates_the_dynamic_forms_tokens(spec, easy, hard, name, 
         cache = make_cache(spec, model, **kwargs, max_cache_len=80)
         static = _greedy(model, ids, cache, 40, mask, disable_compile=True)
         assert torch.equal(static, dynamic), kwargs
-        assert all(isinstance(layer, StaticQuantizedKVLayer) for layer in cache.layers)
+        assert all(layer.pinned and layer.is_compileable for layer in cache.layers)
         assert int(cache.get_seq_length()) == 23 + 40 - 1
 
 
@@ -94,9 +94,10 @@ def test_compiled_steps_past_max_cache_len_overwrite_nothing_and_the_next_eager_
     before = [t.clone() for t in layer.stored_tensors()]
     _greedy(model, torch.cat([ids, torch.ones((1, 4), dtype=torch.long)], 1), cache, 8, compile_config=config)
     after = list(layer.stored_tensors())
-    # the last held row (23) and the spare rows changed; nothing before row 23, the ring's other rows kept
+    # Token 23 (the last that fits) pushed token 19 out of the 4-token window into packed row 19; past it only the
+    # spare rows changed: no packed row before 19 moved.
     packed = [(a, b) for a, b in zip(before, after) if a.shape[2] > 8]
-    assert all(torch.equal(a[:, :, :23], b[:, :, :23]) for a, b in packed)
+    assert all(torch.equal(a[:, :, :19], b[:, :, :19]) for a, b in packed)
     with pytest.raises(ValueError, match="went past max_cache_len=24"):
         model(torch.ones((1, 1), dtype=torch.long), use_cache=True, **_compat.cache_kwargs(cache))
 
@@ -109,7 +110,7 @@ def test_bad_static_input_says_what_to_do():
     with pytest.raises(ValueError, match="cannot be offloaded"):
         cache.enable_offloading()
     _greedy(model, tiny_input_ids(model, batch=2, length=8), cache, 2, disable_compile=True)
-    with pytest.raises(ValueError, match="built for batch 2 .* build a new cache"):
+    with pytest.raises(ValueError, match="holds batch 2 .* build a new cache"):
         _greedy(model, tiny_input_ids(model, batch=3, length=8), cache, 2, disable_compile=True)
 
 
@@ -167,29 +168,26 @@ def calibrated_default(default_model_fused):
 
 
 def _places(layer) -> dict[str, torch.Tensor]:
-    """What a layer of either form holds, place by place: sinks, packed fields of the tokens packed outside the
-    window, the window in order."""
+    """What a layer holds, place by place: sinks, packed fields of the tokens packed outside the window, the window
+    in order."""
     out = {}
     for name, stream in (("keys", layer.key_stream), ("values", layer.value_stream)):
-        if isinstance(layer, StaticQuantizedKVLayer):
-            n_sink, n_packed, n_res, off = stream.split(layer.held_tokens)
-            rows = -(-n_packed // stream.codec.block_size)
-            fields = {k: v[:, :, :rows] for k, v in stream.packed.items()}
-            sink = stream.sink[:, :, :n_sink] if n_sink else None
-            window = stream._residual(n_res, off) if n_res else None
-        else:
-            fields, sink, window = stream.packed.view(), stream.sink.view().get("x"), stream.residual.view().get("x")
+        n_sink, n_packed, n_res, off = stream.split(layer.held_tokens)
+        rows = -(-n_packed // stream.codec.block_size)
+        fields = {k: v[:, :, :rows] for k, v in stream.packed.items()}
+        sink = stream.sink[:, :, :n_sink] if n_sink else None
+        window = stream._residual(n_res, off) if n_res else None
         out |= {f"{name}.{k}": v for k, v in fields.items() if v.shape[2]}
         out |= {f"{name}.{k}": v for k, v in (("sink", sink), ("window", window)) if v is not None and v.shape[2]}
     return out
 
 
 @pytest.mark.slow
-def test_static_and_dynamic_forms_agree_on_the_default_model(calibrated_default):
-    """Every preset on the default model, float32, the fused path (on the CPU, the reference over what is held, in
-    the dynamic form's pieces): the same 64 greedy tokens from both forms and, layer by layer, the same stored bytes.
-    (The dense path attends over a static cache's whole capacity under the mask that `generate` builds for it, a
-    longer float sum than the dynamic form's: its tokens part after a few dozen steps, both equally accurate.)"""
+def test_pinned_and_growing_capacities_agree_on_the_default_model(calibrated_default):
+    """Every preset on the default model, float32, the fused path (on the CPU, the reference over what is held): the
+    same 64 greedy tokens from a pinned and a growing capacity and, layer by layer, the same stored bytes. (The dense
+    path attends over a pinned cache's whole capacity under the mask that `generate` builds for it, a longer float
+    sum than over what is held: its tokens part after a few dozen steps, both equally accurate.)"""
     from hf_kvcache.presets import PRESETS
     from hf_kvcache.eval.corpus import dev_text, tokenize_corpus
 
@@ -208,8 +206,7 @@ def test_static_and_dynamic_forms_agree_on_the_default_model(calibrated_default)
             held_d, held_s = _places(d), _places(st)
             assert held_d.keys() == held_s.keys(), (spec, i)
             for name, value in held_d.items():
-                # (bit for bit; KVQuant's empty outlier slots hold NaN, and its positions are one row per sequence in
-                # the dynamic form, one per kv-head in the static one)
+                # (bit for bit; KVQuant's empty outlier slots hold NaN)
                 torch.testing.assert_close(value.expand_as(held_s[name]), held_s[name], rtol=0, atol=0,
                                            equal_nan=True, msg=f"{spec}: layer {i} {name} differs")
 
