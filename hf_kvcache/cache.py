@@ -282,10 +282,15 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     @property
     def key_stream(self) -> StreamStorage:
+        """The keys' storage, holding every token counted (a decode step's token left for the graphed attention is
+        stored first)."""
+        self.write_pending()
         return self._streams["keys"]
 
     @property
     def value_stream(self) -> StreamStorage:
+        """The values' storage, as `key_stream`."""
+        self.write_pending()
         return self._streams["values"]
 
     def _host_held(self) -> int:
@@ -455,7 +460,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 and kernels.use_kernels(key_states.device)) or torch.cuda.is_current_stream_capturing():
             return False
         if self._replayable is None or self._replayable[0] != self._version:
-            views = self.key_stream.kernel_view(), self.value_stream.kernel_view()
+            views = self._streams["keys"].kernel_view(), self._streams["values"].kernel_view()
             ok = (None not in views and not any(s.codec.observing for s in self._streams.values())
                   and kernels.ops.supports(*views, key_states, static=True) is None)
             self._replayable = (self._version, ok)
@@ -525,10 +530,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._streams["keys"].write(k, p, self.pad_lengths, self._first_position)
         self._streams["values"].write(inputs.v, p, self.pad_lengths, self._first_position)
         self.length.add_(1)
+        keys, values = self._streams["keys"].kernel_view(), self._streams["values"].kernel_view()
         return kernels.ops.static_decode_attention(
-            self.rotate_query(entry.q), self.key_stream.kernel_view(), self.value_stream.kernel_view(), k, inputs.v,
-            self.static_layout(), exact_new=not self.quantize_before_attention, attention_mask=entry.mask,
-            scaling=scaling, softcap=softcap, s_aux=s_aux)
+            self.rotate_query(entry.q), keys, values, k, inputs.v, self.static_layout(),
+            exact_new=not self.quantize_before_attention, attention_mask=entry.mask, scaling=scaling, softcap=softcap,
+            s_aux=s_aux)
 
     # ------------------------------------------------------------------ reading
     def _held_dense(self, name: str, new: torch.Tensor) -> torch.Tensor:

@@ -230,7 +230,7 @@ def _place_tile(S_, Rs, N_, C, SC, Z, ss_t, sr_t, sn_t, sc_t, ssc_t, ssc_c, fp8_
                 RING: tl.constexpr):
     """Keys or values of tokens `kpos (N, 1)` (pointers already offset to this batch row and kv-head) from
     whichever place holds them, rounded to the model dtype as the reference decode does: (N, D). RING > 0: the
-    residual is a ring of RING rows whose oldest token sits in row `r_off` (the static form)."""
+    residual is a ring of RING rows whose oldest token sits in row `r_off` (`hf_kvcache.storage`)."""
     stored = ok & (kpos < stop)
     in_sink = stored & (kpos < n_sink)
     pk = kpos - n_sink
@@ -284,7 +284,7 @@ def _finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _static_places(after, RING: tl.constexpr, WINDOW: tl.constexpr):
-    """The static form's split of the `after` tokens held past the sinks: (packed tokens read, residual tokens,
+    """The storage's split of the `after` tokens held past the sinks: (packed tokens read, residual tokens,
     ring row of the oldest residual token). RING = 0: every token is packed. WINDOW (a FIFO window, every token
     also packed): the last min(after, RING) tokens are read from the ring. Otherwise (block flush, KIVI's keys):
     whole windows of RING tokens are packed and the rest waits in the ring from row 0."""
@@ -334,10 +334,10 @@ def _attn_fwd(
     k_off = 0
     v_off = 0
     if STATIC:
-        # The static form: the launch is sized for the capacity and every length comes from the device, so one
+        # The storage's layout (`hf_kvcache.storage`): the launch is sized for the capacity and every length comes from the device, so one
         # captured graph serves every step; programs past the filled tiles find empty ranges.
         # tokens held after this step's update; never more than the storage (a compiled step past max_cache_len
-        # stores nothing more, see `hf_kvcache.static`)
+        # stores nothing more, see `hf_kvcache.storage`)
         held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
         n_sink = tl.minimum(held, SINK_CAP)
         npk, nrk, k_off = _static_places(held - n_sink, K_RING, K_WINDOW)
@@ -423,7 +423,7 @@ def _attn_fwd(
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_body_tiles)
         # scales and zeros of the first tile; each iteration loads the next tile's (the last one reloads its own);
-        # an empty range (static form) loads tile 0, which the storage always has
+        # an empty range (a launch sized for the capacity) loads tile 0, which the storage always has
         first = tl.where(lo < hi, lo, 0)
         ka0, ka1, ka2, ka3, kzr = _side(ksc, kz, first, sksc_t, sksc_c, BLOCK_N, D, K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM,
                                         K_PLANES)

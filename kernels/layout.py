@@ -65,7 +65,7 @@ class StreamTensors:
 
 @dataclass(frozen=True)
 class StaticLayout:
-    """How a static layer's fixed places split its tokens (`hf_kvcache.static`), which the kernels derive on the
+    """How a layer's places split its tokens (`hf_kvcache.storage`), which the kernels derive on the
     device from `length`, a 0-dim int64 tensor: the tokens held after this step's update (at most `capacity`). The first
     `min(length, sink_tokens)` are sinks; of the rest, a stream with `ring = 0` reads all from the packed place; with
     `window` (a FIFO window, every token also packed) the last `min(rest, ring)` from a ring of `ring` rows; without

@@ -83,7 +83,7 @@ def head_dim_ok(d: int) -> bool:
 
 def supports(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, static: bool = False) -> str | None:
     """None if the fused kernel can serve this layer, else why not (the caller falls back to the reference);
-    `static`: the static form's buffers (`hf_kvcache.static`)."""
+    `static`: a cache's storage, its lengths on the device (`hf_kvcache.storage`)."""
     d = query.shape[-1]
     if not head_dim_ok(d):
         return f"head_dim {d} is not a power of two in [16, 256]"
@@ -241,7 +241,7 @@ def decode_attention(
     `attention_mask`: boolean `(B or 1, 1, Tq, S)` (True = attend) over the S held tokens, or None for causal.
     Hq must be a multiple of Hkv (GQA/MQA are read by head mapping).
 
-    `static` (the static form, `hf_kvcache.static`): the places are whole preallocated buffers (`n_packed` their
+    `static` (every cache's storage, `hf_kvcache.storage`): the places are whole allocated buffers (`n_packed` their
     capacity in tokens) and the kernel derives every length from `static.length` on the device; the launch is
     sized for the capacity, so it never reads a value back and one CUDA graph serves every step.
     """
@@ -370,7 +370,7 @@ def static_decode_attention(
 
 
 def _length_args(static: StaticLayout | None, dummy: torch.Tensor) -> list:
-    """The kernels' `LENS, cap_len`: the static form's length tensor and capacity (a dummy and 0 otherwise)."""
+    """The kernels' `LENS, cap_len`: the storage's length tensor and capacity (a dummy and 0 otherwise)."""
     return [static.length, static.capacity] if static is not None else [dummy, 0]
 
 
@@ -397,8 +397,9 @@ def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int
     return n_splits, tiles_per_split
 
 
-# Split-K workspaces by (CUDA stream, rows, parts, D), reused from call to call of the dynamic form: an eager decode
-# step otherwise pays three allocations per layer (~5 us of host time each on the H200 host). Kernels on one
+# Split-K workspaces by (CUDA stream, rows, parts, D), reused from call to call without a storage layout (the kernel
+# benchmarks and tests; a cache's eager decode step replays its graph's own): each call otherwise pays three
+# allocations (~5 us of host time each on the H200 host). Kernels on one
 # stream run in order, so a workspace is never read by one call while the next writes it; a few shapes live at
 # once (the split count settles once a cache is long), and the oldest is dropped past `_WORKSPACES_KEPT`.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -409,8 +410,8 @@ def _partials(query: torch.Tensor, rows: int, n_parts: int,
               reuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 split-K partial results of `rows` query rows: acc `(rows * n_parts, D)`, running max and sum.
 
-    `reuse` (the dynamic form, eager): from the shared workspaces. Never for the static form, whose calls run inside
-    torch.compile's CUDA-graph trees: there even the warm-up allocates from the graph's pool, which refuses tensors
+    `reuse` (calls without a storage layout: the kernel benchmarks and tests): from the shared workspaces. Never for a
+    cache's calls, which may be captured into a layer's CUDA graph or run inside torch.compile's CUDA-graph trees: there even the warm-up allocates from the graph's pool, which refuses tensors
     kept alive outside its outputs (measured on the H200: "tensors in the cudagraph pool not tracked as
     outputs"); nor while any CUDA graph is captured (a graph must own its workspace, which could otherwise be
     dropped from here while the graph still replays into it); nor on CPU (the interpreter's tests)."""
@@ -750,7 +751,7 @@ def pack_per_channel(
     each channel of each block of G tokens is one asymmetric group (KIVI keys); `valid (B, n*G)` marks tokens that
     are not left padding. Same numbers as `methods.kivi.PerChannelKeyCodec.encode` (with `range_search`, the chosen
     candidate can differ where two candidates' squared errors tie to float rounding). `complete (n,)` bool, when
-    given: only those blocks are packed, the others written as zeros (the static form's incomplete block)."""
+    given: only those blocks are packed, the others written as zeros (the incomplete block of a graphed or compiled step)."""
     from . import pack
 
     if not _eager and _compiling():

@@ -101,8 +101,8 @@ def _pack_per_channel(
 ):
     """KIVI keys: each channel of a block of G tokens is one asymmetric group (`PerChannelKeyCodec.encode`),
     optionally with the least-squares range search over the grid (r0..r4, each < 0.5) of
-    `quantize_uniform(range_search=)`. HAS_KEEP: blocks whose `KEEP` flag is 0 (the static form's incomplete
-    block, never read) are written as zeros without the search."""
+    `quantize_uniform(range_search=)`. HAS_KEEP: blocks whose `KEEP` flag is 0 (the incomplete block of a graphed
+    or compiled step, never read) are written as zeros without the search."""
     pid_bh = tl.program_id(0)
     b = (pid_bh // H).to(tl.int64)  # offsets of large caches pass 2^31
     h = (pid_bh % H).to(tl.int64)

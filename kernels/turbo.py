@@ -12,7 +12,7 @@ the lengths applied to the scores and to the softmax weights, outside the produc
 Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), one
 tail program over the exact tokens (sinks, residual, new tokens, read where they lie) in the model's own frame, and
 the combine kernel (`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's.
-The static form (STATIC, `hf_kvcache.static`) takes every count from the device's length, as `decode.py` does, so
+The storage's layout (STATIC, `hf_kvcache.storage`) takes every count from the device's length, as `decode.py` does, so
 that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No
 product with F runs inside a program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200
 (BENCHMARKS.md).
@@ -117,7 +117,7 @@ def _exact_tile(S_, R_, N_, ss_t, sr_t, sn_t, kpos, d, ok, n_sink, body_end, sto
                 RING: tl.constexpr):
     """The exact tokens at positions `kpos (N, 1)` (pointers offset to this batch row and kv-head): sinks below
     `n_sink`, the residual from `body_end` to `stop` (RING > 0: a ring of RING rows whose oldest token is row
-    `r_off`, the static form), this step's new tokens from `stop`: (N, D) in DT."""
+    `r_off`, the storage's layout), this step's new tokens from `stop`: (N, D) in DT."""
     stored = ok & (kpos < stop)
     rk = kpos - body_end
     if RING > 0:
@@ -162,7 +162,7 @@ def _turbo_attn(
     this step's `n_new` tokens `N`. Token order: n_sink sinks, n_body packed, the residual up to `stop` (the held
     tokens before the new ones), n_new new.
 
-    STATIC (the static form, `hf_kvcache.static`): the counts come from the device (`LENS`: the tokens held, at most
+    STATIC (the storage's layout, `hf_kvcache.storage`): the counts come from the device (`LENS`: the tokens held, at most
     `cap_len`), the residual is a ring of RING rows (`decode._static_places`), the launch is sized for the capacity
     and programs past the filled tiles find empty ranges, as in `decode._attn_fwd`."""
     if STATIC:

@@ -135,8 +135,8 @@ def test_prompt_lookup_reset_and_beam_search_in_the_static_form(spec, easy, hard
 
 def test_static_storage_is_the_bytes_the_planner_predicts():
     """A static cache allocates, for its `max_cache_len`, within 2% of what `hf-kvcache plan` predicts for that
-    context (the default model's shape; one layer measured, every layer alike). The difference is a FIFO window's
-    tokens, which the static form also packs, and the spare rows."""
+    context (the default model's shape; one layer measured, every layer alike). The difference is the spare rows and
+    the capacity rounded up for aligned strides."""
     from hf_kvcache.planner import load_config, plan
 
     _, config = load_config("smollm2-135m")

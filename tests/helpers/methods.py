@@ -17,8 +17,8 @@ METHODS: list[tuple[str, dict, dict]] = [
 ]
 
 SPECS = [spec for spec, _, _ in METHODS]
-# The static form's matrix (tests/test_static.py): every method and `exact`, the 16-bit baseline that exists for it
-# (in the dynamic form it is a lossless codec like tests/helpers/lossless.py, which the generate matrix covers).
+# The pinned capacity's matrix (tests/test_pinned_capacity.py): every method and `exact`, the 16-bit baseline through
+# this library's storage (the generate matrix covers a lossless codec, tests/helpers/lossless.py, instead).
 STATIC_METHODS = [("exact", {}, {"sink_tokens": 2})] + METHODS
 # Methods the decode-kernel tests build on a bare config (KVQuant and RotatedCache need a model: their kernel
 # paths are tested in tests/kernels/test_nuq.py and tests/kernels/test_hadamard.py; TurboQuant's, whose row here

@@ -1,4 +1,4 @@
-"""The static form's kernels (lengths read from the device, places of fixed capacity, the ring window) and the
+"""The storage's kernels (lengths read from the device, places of fixed capacity, the ring window) and the
 operators torch.compile calls, under Triton's interpreter on CPU: greedy tokens through the kernels, eager and
 traced (`fullgraph=True`, dynamo's eager backend, so the operators run as Inductor would call them), equal the
 plain-PyTorch reference's; and incomplete KIVI blocks are skipped by the pack kernel."""

@@ -50,8 +50,8 @@ def test_dynamic_scale_behind_a_residual_window_sees_the_whole_prompt(sink_token
     """With `residual_length=R` the first block packed after a short prompt is a single token; the scale is taken
     from the whole first write past the sinks (the prompt), not from that one token, which would clamp every later,
     larger one (on the default model `fp8-e4m3:residual_length=32` went from +5.2% to +0.8% in teacher-forced loss
-    over 256 tokens), and before anything is packed: the static form, which packs every token as it arrives, takes
-    it from the same write, so both forms store the same codes."""
+    over 256 tokens), and before anything is packed, so that a graphed or compiled step, which packs every token as it
+    arrives, stores the codes an eager one does."""
     cache = QuantizedFP8Cache(LLAMA, fmt="e4m3", scale="dynamic", headroom=2.0, residual_length=4,
                               sink_tokens=sink_tokens)
     layer = cache.layers[0]
