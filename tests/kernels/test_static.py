@@ -23,7 +23,7 @@ CASES = [m for m in METHODS if m[0] in ("fp8-e4m3", "kivi-2", "kvquant-3", "rota
 @pytest.mark.parametrize("spec,easy,hard", CASES, ids=[c[0] for c in CASES])
 def test_static_kernels_eager_and_traced_equal_the_reference(spec, easy, hard):
     if not kernels.interpreting():
-        pytest.skip("the interpreter run; on CUDA, tests/test_static.py compares compiled and eager")
+        pytest.skip("the interpreter run; on CUDA, tests/test_pinned_capacity.py compares compiled and eager")
     model = tiny_model("llama", "hf_kvcache")
     # 33 tokens, then 5 steps: KIVI's first window (3 sinks + 32) closes at a decode step, through the pack flag
     ids, mask = left_padded_batch(model, lengths=(33, 7))
