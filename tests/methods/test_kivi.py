@@ -111,3 +111,29 @@ def test_crop_inside_a_packed_key_block_keeps_earlier_values():
     torch.testing.assert_close(held(layer.value_stream), before[1][:, :, :110])
     layer.update(k[:, :, 110:], v[:, :, 110:])  # refills to 150: the window flushes again
     assert layer.get_seq_length() == 150 and layer.key_stream.split(150)[:3] == (0, 128, 22)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=1), "bits=1"),
+        (dict(group_size=16), "group_size=16"),
+        (dict(residual_length=48), "multiple of group_size=32"),
+        (dict(residual_length=0), "positive multiple"),
+        (dict(sink_tokens=-2), "sink_tokens"),
+    ],
+)
+def test_bad_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KIVICache(LLAMA, **kwargs)
+
+
+def test_key_range_search_lowers_key_error_at_two_bits():
+    k = outlier_keys(b=2, h=2, s=256, d=64)
+    errors = {}
+    for search in (False, True):
+        cache = KIVICache(LLAMA, bits=2, residual_length=128, key_range_search=search)
+        cache.quantize_before_attention = True
+        keys, _ = cache.layers[0].update(k, k)
+        errors[search] = sqnr_db(k, keys)
+    assert errors[True] > errors[False] + 0.5, errors
