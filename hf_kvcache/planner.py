@@ -715,9 +715,12 @@ def plan(
     notes = [
         *skipped,
         (f"bytes are what the caches hold (nbytes) with K/V in {str(kv_dtype).removeprefix('torch.')}; a cache "
-         "growing in place also holds some spare capacity (allocated_nbytes)"),
+         "that grows also holds capacity not filled yet, at most the larger of 6.25% and 64 tokens (allocated_nbytes)"),
         (f"weights: every parameter at {weights_dtype}; the scales of quantized weights and the activations are not "
          f"counted (the {reserve:.0%} reserve is meant for activations and the runtime)"),
+        ("a long prompt's prefill takes activations for every token at once, far more than the cache at large "
+         "batches: generate(..., prefill_chunk_size=N) forwards it N tokens at a time, so that the peak is the cache "
+         "plus one chunk's activations (README, Speed)"),
     ]
     if any(parse_spec(s)[0].startswith("kvquant") for s in rows):
         notes.append("kvquant-*: built from the config with placeholder calibration values and RoPE angles; their "
