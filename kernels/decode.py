@@ -334,8 +334,8 @@ def _attn_fwd(
     k_off = 0
     v_off = 0
     if STATIC:
-        # The storage's layout (`hf_kvcache.storage`): the launch is sized for the capacity and every length comes from the device, so one
-        # captured graph serves every step; programs past the filled tiles find empty ranges.
+        # The storage's layout (`hf_kvcache.storage`): the launch is sized for the capacity and every length comes
+        # from the device, so one captured graph serves every step; programs past the filled tiles find empty ranges.
         # tokens held after this step's update; never more than the storage (a compiled step past max_cache_len
         # stores nothing more, see `hf_kvcache.storage`)
         held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)

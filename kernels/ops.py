@@ -399,9 +399,9 @@ def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int
 
 # Split-K workspaces by (CUDA stream, rows, parts, D), reused from call to call without a storage layout (the kernel
 # benchmarks and tests; a cache's eager decode step replays its graph's own): each call otherwise pays three
-# allocations (~5 us of host time each on the H200 host). Kernels on one
-# stream run in order, so a workspace is never read by one call while the next writes it; a few shapes live at
-# once (the split count settles once a cache is long), and the oldest is dropped past `_WORKSPACES_KEPT`.
+# allocations (~5 us of host time each on the H200 host). Kernels on one stream run in order, so a workspace is
+# never read by one call while the next writes it; a few shapes live at once (the split count settles once a cache
+# is long), and the oldest is dropped past `_WORKSPACES_KEPT`.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _WORKSPACES_KEPT = 8
 
@@ -411,10 +411,11 @@ def _partials(query: torch.Tensor, rows: int, n_parts: int,
     """float32 split-K partial results of `rows` query rows: acc `(rows * n_parts, D)`, running max and sum.
 
     `reuse` (calls without a storage layout: the kernel benchmarks and tests): from the shared workspaces. Never for a
-    cache's calls, which may be captured into a layer's CUDA graph or run inside torch.compile's CUDA-graph trees: there even the warm-up allocates from the graph's pool, which refuses tensors
-    kept alive outside its outputs (measured on the H200: "tensors in the cudagraph pool not tracked as
-    outputs"); nor while any CUDA graph is captured (a graph must own its workspace, which could otherwise be
-    dropped from here while the graph still replays into it); nor on CPU (the interpreter's tests)."""
+    cache's calls, which may be captured into a layer's CUDA graph or run inside torch.compile's CUDA-graph trees:
+    there even the warm-up allocates from the graph's pool, which refuses tensors kept alive outside its outputs
+    (measured on the H200: "tensors in the cudagraph pool not tracked as outputs"); nor while any CUDA graph is
+    captured (a graph must own its workspace, which could otherwise be dropped from here while the graph still
+    replays into it); nor on CPU (the interpreter's tests)."""
     shared = reuse and query.is_cuda and not torch.cuda.is_current_stream_capturing()
     key = (torch.cuda.current_stream(query.device).cuda_stream if shared else 0, rows, n_parts, query.shape[-1])
     found = _WORKSPACES.get(key) if shared else None
@@ -751,7 +752,8 @@ def pack_per_channel(
     each channel of each block of G tokens is one asymmetric group (KIVI keys); `valid (B, n*G)` marks tokens that
     are not left padding. Same numbers as `methods.kivi.PerChannelKeyCodec.encode` (with `range_search`, the chosen
     candidate can differ where two candidates' squared errors tie to float rounding). `complete (n,)` bool, when
-    given: only those blocks are packed, the others written as zeros (the incomplete block of a graphed or compiled step)."""
+    given: only those blocks are packed, the others written as zeros (the incomplete block of a graphed or compiled
+    step)."""
     from . import pack
 
     if not _eager and _compiling():

@@ -12,8 +12,8 @@ the lengths applied to the scores and to the softmax weights, outside the produc
 Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), one
 tail program over the exact tokens (sinks, residual, new tokens, read where they lie) in the model's own frame, and
 the combine kernel (`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's.
-The storage's layout (STATIC, `hf_kvcache.storage`) takes every count from the device's length, as `decode.py` does, so
-that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No
+The storage's layout (STATIC, `hf_kvcache.storage`) takes every count from the device's length, as `decode.py` does,
+so that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No
 product with F runs inside a program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200
 (BENCHMARKS.md).
 
@@ -162,8 +162,8 @@ def _turbo_attn(
     this step's `n_new` tokens `N`. Token order: n_sink sinks, n_body packed, the residual up to `stop` (the held
     tokens before the new ones), n_new new.
 
-    STATIC (the storage's layout, `hf_kvcache.storage`): the counts come from the device (`LENS`: the tokens held, at most
-    `cap_len`), the residual is a ring of RING rows (`decode._static_places`), the launch is sized for the capacity
+    STATIC (the storage's layout, `hf_kvcache.storage`): the counts come from the device (`LENS`: the tokens held, at
+    most `cap_len`), the residual is a ring of RING rows (`decode._static_places`), the launch is sized for the capacity
     and programs past the filled tiles find empty ranges, as in `decode._attn_fwd`."""
     if STATIC:
         held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
