@@ -676,7 +676,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.pinned:
             # Forget the sequence and give its storage back; how it is read stays (the cache sets these flags once).
             for s in self._streams.values():
-                s.packed, s.sink, s.ring, s.capacity = {}, None, None, 0
+                s.release()
             self._forget()
             return
         # A pinned storage stays (a compiled step's CUDA graph replays over its addresses); the next tokens overwrite it.

@@ -382,6 +382,11 @@ class StreamStorage:
         self.ring.index_copy_(2, stale % r, dec.index_select(2, stale - lo_row * block))
         self.ring_index.index_copy_(0, stale % r, stale)
 
+    def release(self) -> None:
+        """Give every buffer back (a growing layer's `reset`); `allocate` makes them again at the next write."""
+        self.packed, self.sink, self.ring, self.ring_index = {}, None, None, None
+        self.capacity = self.rows = 0
+
     def reset(self) -> None:
         """A new sequence in the same buffers: no ring row holds a token of it yet."""
         if self.ring_index is not None:
