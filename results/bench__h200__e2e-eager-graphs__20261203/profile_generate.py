@@ -25,7 +25,12 @@ N = 32
 
 
 def one(model, spec, ids):
-    return bench._generate_once(model, spec, ids, N, compiled=False)
+    from hf_kvcache.patching import unfuse
+
+    try:
+        return bench._generate_once(model, spec, ids, N, compiled=False)
+    finally:
+        unfuse(model)  # a RotatedCache fused its rotation into the weights: the next spec gets the plain model
 
 
 def main():
