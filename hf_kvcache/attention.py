@@ -13,8 +13,11 @@ attention reads the packed cache itself:
 Neither path ever builds the full-length dense K/V. Plain tensors (any other cache, or none) go to
 transformers' SDPA attention, so the implementation is safe to select for any model.
 
-The mask function is transformers' SDPA one (boolean, True = attend): without a mask function registered
-under the same name, transformers would pass `attention_mask=None` and padding would silently disappear.
+The mask function (`causal_mask`) is transformers' SDPA one (boolean, True = attend), except where that mask would
+be plain causal over rows without padding: there it gives None, which this attention reads as causal by position,
+aligned bottom-right (a prefill chunk's query token sees every held token up to its own position). Without a mask
+function registered under the same name, transformers would pass `attention_mask=None` and padding would silently
+disappear.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from . import kernels
@@ -107,6 +110,9 @@ def hf_kvcache_attention(
 ):
     """transformers attention-interface entry point. Returns `(attn_output (B, Tq, Hq, Dv), None)`."""
     if not isinstance(key, KVHandle):
+        if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
+            # `causal_mask` left a plain causal mask out, and SDPA's is_causal would align it top-left
+            attention_mask = _bottom_right_causal(query.shape[2], key.shape[2], query.device)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -246,7 +252,30 @@ def _dense_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
     return out.reshape(b, hq, tq, -1).to(query.dtype).transpose(1, 2).contiguous()
 
 
+def _bottom_right_causal(tq: int, s: int, device: torch.device) -> torch.Tensor:
+    """`(1, 1, tq, s)` boolean, True = attend: query token i sees the keys up to position s - tq + i."""
+    return torch.ones((tq, s), dtype=torch.bool, device=device).tril(s - tq)[None, None]
+
+
+def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+                local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
+    """The mask function of `hf_kvcache`: transformers' `sdpa_mask`, or None for a forward of several tokens whose
+    mask would be plain causal (no padding, no window, no other mask function), which this attention reads as causal
+    by position. transformers skips the mask only when Tq is 1 or equals S (SDPA's is_causal aligns top-left), so
+    every prefill chunk after the first built `(B, 1, Tq, S)` booleans: 1.07 GB at batch 16 x 2048 x 32k, beside the
+    chunk's 3.9 GB of activations (BENCHMARKS.md, run 8). Seeing that nothing is padded reads the padding mask: one
+    host sync a forward of several tokens, none at a decode step. While compiling, always the mask."""
+    if (allow_is_causal_skip and q_length > 1 and mask_function is causal_mask_function and local_size is None
+            and kv_offset == 0 and not torch.compiler.is_compiling()
+            and (attention_mask is None or bool(attention_mask.all()))):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 def register() -> None:
     """Register the `hf_kvcache` attention and its mask function in transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, hf_kvcache_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, causal_mask)

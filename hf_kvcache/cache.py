@@ -11,8 +11,9 @@ One storage serves every mode. The number of tokens held is a device tensor the 
   DynamicCache's step, with a fraction of its bytes to read;
 - with `max_cache_len` (the capacity pinned), `update` and the attention run without host reads or Python branches on
   data, the layers say `is_compileable`, and `generate` compiles the decode step by itself (Inductor and CUDA graphs).
-Without `max_cache_len` the capacity grows by itself: by `_GROWTH` (at least `_MIN_GROW` tokens) when a write would
-not fit, each packed row copied once per growth; a growth that runs out of memory raises before anything held moves.
+Without `max_cache_len` the capacity grows by itself when a write would not fit: by `_GROWTH` (at least `_MIN_GROW`
+tokens) at a decode step, to what a longer write needs plus `_MIN_GROW`; each packed row is copied once per growth,
+and a growth that runs out of memory raises before anything held moves.
 
 Two read paths (see DESIGN.md): dense (`update()` returns K/V dequantized to the model dtype, what eager/sdpa
 attention consume) and fused (`update()` returns a `KVHandle` that the registered `hf_kvcache` attention reads
@@ -32,12 +33,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import _compat, graphs, kernels
 from .kernels.layout import PackedFormat, StaticLayout
-from .storage import StreamStorage
+from .storage import StreamStorage, mark_static
 
-# A growing capacity takes this factor of what it must hold, and at least `_MIN_GROW` tokens more: the storage then
-# never exceeds what is held by more than ~6% + 64 tokens (the planner's bytes within 10% at every length past 1k),
-# and a long generation regrows (copying every packed row once, recapturing each layer's CUDA graph) every 6% of its
-# length.
+# A growing capacity takes this factor of what it must hold after a decode step, and at least `_MIN_GROW` tokens more:
+# the storage then never exceeds what is held by more than ~6% + 64 tokens (the planner's bytes within 10% at every
+# length past 1k), and a long generation regrows (copying every packed row once, recapturing each layer's CUDA graph)
+# every 6% of its length. A write of several tokens (a prompt, a chunk of one) takes what it needs and `_MIN_GROW`
+# tokens: at the end of a chunked prefill, where the chunk's activations peak beside the cache, the capacity not filled
+# is 64 tokens, not 6% of the cache (0.53 GB of `fp8-e4m3` at batch 16 x 32k, BENCHMARKS.md run 8).
 _GROWTH = 1.0625
 _MIN_GROW = 64
 
@@ -47,8 +50,10 @@ _MIN_GROW = 64
 _SLIDING_CROP_MARGIN = 64
 
 
-def _grown(needed: int) -> int:
-    """The capacity a growing layer takes to hold `needed` tokens."""
+def _grown(needed: int, written: int = 1) -> int:
+    """The capacity a growing layer takes to hold `needed` tokens after a write of `written` tokens."""
+    if written > 1:
+        return needed + _MIN_GROW
     return max(math.ceil(needed * _GROWTH), needed + _MIN_GROW)
 
 
@@ -254,7 +259,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, t, _ = key_states.shape
         for name, x in (("keys", key_states), ("values", value_states)):
             self._streams[name].codec.check_head_dim(x.shape[-1])
-        capacity = self.max_cache_len if self.pinned else _grown(t)
+        capacity = self.max_cache_len if self.pinned else _grown(t, t)
         for name, x in (("keys", key_states), ("values", value_states)):
             self._streams[name].allocate(self.batch_size, self.num_heads, x.shape[-1], x.dtype, x.device, capacity,
                                          static_address=self.pinned)
@@ -279,6 +284,14 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.pad_lengths = self.pad_lengths.clone()
         self._inputs = None
         self._version += 1
+
+    def _mark_state_static(self) -> None:
+        """A pinned layer's per-sequence tensors (its padding, the codecs' frozen state) at fixed addresses, as its
+        storage is: the compiled decode step's CUDA graph reads them where they are, instead of copying each into an
+        input buffer of its own at every replay (24 copies a step for `fp8-e4m3` on 8 layers, BENCHMARKS.md run 8)."""
+        for t in (self.pad_lengths, *(x for s in self._streams.values() for x in s.codec.state.values())):
+            if isinstance(t, torch.Tensor):
+                mark_static(t)
 
     @property
     def key_stream(self) -> StreamStorage:
@@ -381,7 +394,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._inputs.v.copy_(value_states)
             self._pending = True
             return KVHandle(self, "keys", self._inputs.k), KVHandle(self, "values", self._inputs.v)
-        if any(s.codec.observing for s in self._streams.values()):
+        observed = any(s.codec.observing for s in self._streams.values())
+        if observed:
             self._version += 1  # this write sets a codec's per-sequence state, which a captured step reads
         if self.policy.key_rotation is not None:
             key_states = self.policy.key_rotation.apply(key_states)
@@ -395,6 +409,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.cumulative_length -= t
             raise
         self.length.add_(t)
+        if self.pinned and (observed or t > 1):
+            self._mark_state_static()
         if self.fused:
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
         if self.pinned:
@@ -418,7 +434,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"fit; build it with a larger max_cache_len (make_cache(spec, model, max_cache_len=...)), or leave "
                 f"max_cache_len out (a capacity that grows)"
             )
-        self._resize(_grown(held + t))
+        self._resize(_grown(held + t, t))
 
     def _resize(self, capacity: int) -> None:
         """Every stream to `capacity` tokens (at least what is held): all new buffers allocated first, so that running

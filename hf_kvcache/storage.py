@@ -117,7 +117,7 @@ class StreamStorage:
             fields = type(twin).encode(twin, probe, None, **extra)  # the class's encode: not a wrapper set on the codec
         # per field: heads (1 for a field a sequence shares across heads: KVQuant's positions), tail shape, dtype
         self._fields = {k: (v.shape[1], tuple(v.shape[3:]), v.dtype) for k, v in fields.items()}
-        mark = _mark_static if static_address else (lambda t: t)
+        mark = mark_static if static_address else (lambda t: t)
         self.capacity, self.rows = capacity, self._rows_for(capacity)
         self.packed = {k: mark(t) for k, t in self._packed_buffers(batch, heads, device, self.rows).items()}
         self.sink = self.ring = self.ring_index = None
@@ -485,7 +485,7 @@ def _sequence_index(p: torch.Tensor, offset) -> torch.Tensor:
     return p if isinstance(offset, int) and offset == 0 else p + offset
 
 
-def _mark_static(t: torch.Tensor) -> torch.Tensor:
+def mark_static(t: torch.Tensor) -> torch.Tensor:
     # A fixed address, so that CUDA graphs replay over the buffers that `update` mutates in place (as transformers'
     # StaticLayer does); not allowed while tracing, and never needed there: storage is made eagerly.
     if not _compiling():

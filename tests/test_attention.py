@@ -13,7 +13,7 @@ import hf_kvcache
 from hf_kvcache import _compat, make_cache
 from hf_kvcache.storage import StreamStorage
 from tests.helpers.methods import METHODS
-from tests.helpers.tiny_models import TINY_CONFIGS, left_padded_batch, tiny_model
+from tests.helpers.tiny_models import TINY_CONFIGS, left_padded_batch, tiny_input_ids, tiny_model
 
 SIZES = [17, 1, 1, 9, 1, 1]
 
@@ -91,6 +91,39 @@ def test_other_caches_pass_through_to_sdpa():
     a = _teacher_forced(sdpa, ids, mask, DynamicCache(config=sdpa.config))
     b = _teacher_forced(ours, ids, mask, DynamicCache(config=ours.config))
     assert torch.equal(a, b)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("spec", ["int4-g32:sink_tokens=2,residual_length=8", "kivi-2", "dynamic"])
+def test_unpadded_chunks_build_no_mask_and_attend_as_with_one(spec, monkeypatch):
+    """A forward of 8 tokens past 16 held ones (a prefill chunk), rows without padding: the mask function builds no
+    mask (sdpa_mask is never called), and the logits equal those of the same forward given the causal mask aligned
+    bottom-right as a 4D boolean mask (which transformers passes through as it is). Padded rows still get
+    transformers' mask."""
+    from hf_kvcache import attention
+
+    model = tiny_model("llama", attn_implementation="hf_kvcache")
+    ids = tiny_input_ids(model, batch=2, length=24)
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[hf_kvcache.ATTENTION_NAME]
+    padded = torch.ones(2, 24, dtype=torch.long)
+    padded[1, :3] = 0
+    want = attention.sdpa_mask(batch_size=2, q_length=8, kv_length=24, q_offset=16, attention_mask=padded)
+    assert torch.equal(fn(batch_size=2, q_length=8, kv_length=24, q_offset=16, attention_mask=padded), want)
+    assert fn(batch_size=2, q_length=8, kv_length=24, q_offset=16, attention_mask=torch.ones_like(padded)) is None
+    logits = {}
+    for explicit in (False, True):
+        cache = DynamicCache(config=model.config) if spec == "dynamic" else make_cache(spec, model)
+        with torch.no_grad():
+            model(ids[:, :16], use_cache=True, **_compat.cache_kwargs(cache))
+            if explicit:
+                mask = torch.ones(8, 24, dtype=torch.bool).tril(16).expand(2, 1, 8, 24)
+            else:
+                mask = torch.ones(2, 24, dtype=torch.long)
+                monkeypatch.setattr(attention, "sdpa_mask", lambda *a, **k: pytest.fail("a mask was built"))
+            logits[explicit] = model(ids[:, 16:], attention_mask=mask, use_cache=True,
+                                     **_compat.cache_kwargs(cache)).logits
+            monkeypatch.undo()
+    assert torch.equal(logits[False], logits[True])
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ places, flushes, windows, batch operations or crop, never quantization noise."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -167,6 +169,30 @@ def test_storage_grows_geometrically_and_never_reencodes():
     live = layer.key_stream.nbytes(300)
     # the capacity's growth and the spare row the storage keeps for writes that belong elsewhere
     assert layer.key_stream.allocated_nbytes() <= live * _GROWTH + _MIN_GROW * live / 300 + 2 * live / 300
+
+
+def test_a_long_write_grows_to_what_it_needs_and_a_decode_step_by_a_step():
+    """A prompt (or a chunk of one) takes what it needs and 64 tokens, so that a chunked prefill ends with little
+    capacity unfilled where its activations peak; decode steps grow by 6.25% (at least 64 tokens) at a time."""
+    model = tiny_model("llama")
+    layer = _layer(QuantizedIntCache(model.config, bits=8))
+    g = torch.Generator().manual_seed(0)
+
+    def write(t):
+        k = torch.randn(2, 2, t, 64, generator=g)
+        layer.update(k, k)
+        layer.write_pending()
+
+    write(2048)  # 6.25% of it would be 128 tokens
+    assert layer.capacity == 2048 + _MIN_GROW
+    for _ in range(_MIN_GROW):
+        write(1)
+    assert layer.capacity == 2048 + _MIN_GROW  # the 64 decode tokens fit
+    write(1)
+    held = 2048 + _MIN_GROW + 1
+    assert layer.capacity == math.ceil(held * _GROWTH) and layer.held_tokens == held
+    write(400)
+    assert layer.capacity == held + 400 + _MIN_GROW and layer.held_tokens == held + 400
 
 
 def test_nbytes_counts_exactly_what_is_held():

@@ -131,6 +131,13 @@ def test_chunk_of_queries_with_padding_mask(spec, kwargs):
     _compare(spec, kwargs, steps=steps, mask=mask)
 
 
+@pytest.mark.parametrize("spec,kwargs", SPECS[:7], ids=IDS[:7])
+def test_chunk_of_queries_without_a_mask_is_causal(spec, kwargs):
+    """q_len > 1 over a stored past and no mask: what the `hf_kvcache` mask function gives a prefill chunk without
+    padding (`attention.causal_mask`). Query i sees the stored tokens and the chunk's tokens up to its own."""
+    _compare(spec, kwargs, steps=(100, 9))
+
+
 @pytest.mark.parametrize("spec", ["int4-g32", "kivi-2", "fp8-e4m3"])
 def test_bfloat16_mqa_and_softcap(spec):
     kwargs = {"residual_length": 32} if spec.startswith("kivi") else {}
