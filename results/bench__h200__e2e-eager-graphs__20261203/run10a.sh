@@ -11,3 +11,4 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 timeout 110 hf-kvcache bench --parts e2e --decode-batches 16 --e2e-modes eager --new-tokens 32 --prefill-chunk 2048 \
   --decode-methods fp8-e4m3 --json $OUT/run10_chunked.json 2>&1 | grep -E "$F" | tee $OUT/run10_chunked.log
 timeout 290 hf-kvcache bench --parts e2e --decode-batches 16,1 --e2e-modes compiled --new-tokens 32 --prefill-chunk 0 \
+  --decode-methods fp8-e4m3,int8,int4-g128 --json $OUT/run10_compiled.json 2>&1 | grep -E "$F" | tee $OUT/run10_compiled.log
