@@ -27,8 +27,10 @@ def one(model, spec, ids):
 
 
 def main():
-    specs = sys.argv[1].split(",")
-    model = bench._random_model(8)
+    run(bench._random_model(8), sys.argv[1].split(","))
+
+
+def run(model, specs):
     ids = torch.randint(0, model.config.vocab_size, (1, 32768), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
     for spec in specs:
