@@ -40,7 +40,7 @@ from .storage import StreamStorage, mark_static
 # length past 1k), and a long generation regrows (copying every packed row once, recapturing each layer's CUDA graph)
 # every 6% of its length. A write of several tokens (a prompt, a chunk of one) takes what it needs and `_MIN_GROW`
 # tokens: at the end of a chunked prefill, where the chunk's activations peak beside the cache, the capacity not filled
-# is 64 tokens, not 6% of the cache (0.53 GB of `fp8-e4m3` at batch 16 x 32k, BENCHMARKS.md run 8).
+# is 64-127 tokens, not 6% of the cache (0.53 GB of `fp8-e4m3` at batch 16 x 32k, BENCHMARKS.md runs 8 and 10).
 _GROWTH = 1.0625
 _MIN_GROW = 64
 
@@ -51,10 +51,11 @@ _SLIDING_CROP_MARGIN = 64
 
 
 def _grown(needed: int, written: int = 1) -> int:
-    """The capacity a growing layer takes to hold `needed` tokens after a write of `written` tokens."""
-    if written > 1:
-        return needed + _MIN_GROW
-    return max(math.ceil(needed * _GROWTH), needed + _MIN_GROW)
+    """The capacity a growing layer takes to hold `needed` tokens after a write of `written` tokens, a multiple of
+    `_MIN_GROW`: the attention kernels specialize on the capacity's divisibility by 16 (`cap_len`), and a capacity of
+    the other class would compile them again at a growth (seconds once per process, while `generate` waits)."""
+    room = needed + _MIN_GROW if written > 1 else max(math.ceil(needed * _GROWTH), needed + _MIN_GROW)
+    return -(-room // _MIN_GROW) * _MIN_GROW
 
 
 def _compiling() -> bool:
