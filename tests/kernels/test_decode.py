@@ -203,6 +203,9 @@ def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec
 
     import inspect
 
+    import hf_kvcache.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "_MIN_GROW", 16)  # several growths within the 70 steps
     names = list(inspect.signature(decode._attn_fwd.fn).parameters)
     calls = []
 
@@ -231,7 +234,7 @@ def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec
             ops.static_decode_attention(torch.randn(2, 4, 1, 64).to(DEVICE), layer.key_stream.kernel_view(),
                                         layer.value_stream.kernel_view(), kh.new, vh.new, layer.static_layout(),
                                         exact_new=True, attention_mask=mask, scaling=0.125)
-    assert len(capacities) > 1, "the test should see the storage grow"
+    assert len(capacities) > 2, "the test should see the storage grow"
     ints = [i for i in range(len(calls[0])) if type(calls[0][i]) is int]
     reclassed = {names[i] for i in ints if len({(c[i] == 1, c[i] % 16 == 0) for c in calls}) > 1}
     assert reclassed <= set(decode._VARYING), f"specialized, changing class: {sorted(reclassed - set(decode._VARYING))}"
