@@ -715,8 +715,8 @@ def plan(
     notes = [
         *skipped,
         (f"bytes are what the caches hold (nbytes) with K/V in {str(kv_dtype).removeprefix('torch.')}; a cache "
-         "that grows also holds capacity not filled yet, at most the larger of 6.25% and 64 tokens "
-         "(allocated_nbytes)"),
+         "that grows also holds capacity not filled yet, at most the larger of 6.25% and 64 tokens, rounded up "
+         "to 64 tokens (allocated_nbytes)"),
         (f"weights: every parameter at {weights_dtype}; the scales of quantized weights and the activations are not "
          f"counted (the {reserve:.0%} reserve is meant for activations and the runtime)"),
         ("a long prompt's prefill takes activations for every token at once, far more than the cache at large "

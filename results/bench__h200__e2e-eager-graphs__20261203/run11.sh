@@ -1,6 +1,6 @@
 # GPU run 11 (issue 28, 2026-12-03): run 10's eager fp8-e4m3 step at batch 16 was 11.66 ms (7.11 in run 4): the
 # growth rules side by side (diag_growth.py), the chunked peak and eager batch 1 x 32k for more presets under the
-# verdict, then the kernels' chunk tests on CUDA. Run 10's second call (run10b.sh) was not made: this replaces it.
+# verdict, then the kernels' chunk tests on CUDA. Run 10's planned second call was not made: this replaced it.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 D=results/bench__h200__e2e-eager-graphs__20261203

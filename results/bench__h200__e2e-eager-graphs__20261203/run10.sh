@@ -1,7 +1,7 @@
-# GPU run 10, first call (issue 28, 2026-12-03), after the mask function leaves plain causal prefill chunks out and a long write
+# GPU run 10 (issue 28, 2026-12-03), after the mask function leaves plain causal prefill chunks out and a long write
 # grows the capacity to what it needs (+64 tokens): (A) eager batch 16 x 32k with the prefill_chunk_size=2048 call
 # (its peak); (B) compiled at batch 16 and 1 for fp8-e4m3, int8, int4-g128 against DynamicCache and transformers'
-# StaticCache in one run; (C) eager batch 1 x 32k for the presets not measured there yet; (D) the fused kernels' chunk
+# StaticCache in one run; (C), (D), (E): planned for a second call, not made (run 11 replaced it): eager batch 1 for more presets, the kernels' chunk
 # tests on CUDA (no mask: causal by position; a padding mask); (E) what is live at the chunked peak now.
 set -o pipefail
 export PYTHONUNBUFFERED=1
