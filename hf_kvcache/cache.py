@@ -36,8 +36,8 @@ from .kernels.layout import PackedFormat, StaticLayout
 from .storage import StreamStorage, mark_static
 
 # A growing capacity takes this factor of what it must hold after a decode step, and at least `_MIN_GROW` tokens more:
-# the storage then never exceeds what is held by more than ~6% + 64 tokens (the planner's bytes within 10% at every
-# length past 1k), and a long generation regrows (copying every packed row once, recapturing each layer's CUDA graph)
+# the storage then never exceeds what is held by more than ~6% + 127 tokens (`_grown` rounds up to 64 tokens; the
+# planner's bytes within 10% at every length past 1k), and a long generation regrows (copying every packed row once, recapturing each layer's CUDA graph)
 # every 6% of its length. A write of several tokens (a prompt, a chunk of one) takes what it needs and `_MIN_GROW`
 # tokens: at the end of a chunked prefill, where the chunk's activations peak beside the cache, the capacity not filled
 # is 64-127 tokens, not 6% of the cache (0.53 GB of `fp8-e4m3` at batch 16 x 32k, BENCHMARKS.md runs 8 and 10).
