@@ -50,6 +50,7 @@ class BenchConfig:
     e2e_layers: int = 8
     e2e_new_tokens: int = 64
     e2e_prefill_chunk: int | None = 2048
+    e2e_chunk_all: bool = False  # every e2e call chunked (a batch whose unchunked prefill does not fit: 64 x 32k)
     e2e_modes: tuple[str, ...] = ("eager", "compiled")  # which forms of each method the e2e part runs
     capacity_context: int = 32768
     capacity_budget_gb: float = 80.0
@@ -389,19 +390,25 @@ def _generate_once(model, name: str, ids: torch.Tensor, n: int, compiled: bool, 
                 peak_gb=peak, cache_gb=cache_bytes / 1e9)
 
 
-def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None) -> dict:
+def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None,
+            chunk_all: bool = False) -> dict:
     """A row of the end-to-end table: two `_generate_once` calls, each with a fresh cache (the first pays what
     a first call pays in this process: Triton's and Inductor's compiles, CUDA graph capture), then, eager, one with
-    the prompt prefilled in chunks of `chunk` tokens (its peak memory) and the host time of one layer step."""
+    the prompt prefilled in chunks of `chunk` tokens (its peak memory) and the host time of one layer step.
+    `chunk_all`: the two timed calls prefill in chunks too (a batch whose whole prompt's activations do not fit),
+    and their peak is the chunked peak."""
     from torch._dynamo.utils import counters
 
+    if chunk_all and chunk is None:
+        raise ValueError("chunk_all needs a prefill chunk size")
+    timed_chunk = chunk if chunk_all else None
     torch._dynamo.reset()
     if hasattr(model, "_compiled_call"):
         del model._compiled_call  # transformers keeps the compiled forward of the last cache type
-    first = _generate_once(model, name, ids, n, compiled)
+    first = _generate_once(model, name, ids, n, compiled, chunk=timed_chunk)
     del first["cache"]
     graphs = counters["stats"]["unique_graphs"]
-    second = _generate_once(model, name, ids, n, compiled)
+    second = _generate_once(model, name, ids, n, compiled, chunk=timed_chunk)
     recompiles = counters["stats"]["unique_graphs"] - graphs
     row = dict(method=name, mode="compiled" if compiled else "eager", batch=ids.shape[0], context=ids.shape[1],
                new_tokens=n, step_ms=second["step_ms"], tok_s=ids.shape[0] / second["step_ms"] * 1e3,
@@ -412,7 +419,9 @@ def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: 
         # the eager host cost of one layer step (a compiled step replays a graph: it has none)
         row["host_us_per_layer"] = _host_us_per_layer(model, second["cache"], ids.shape[0])
     del second
-    if chunk is not None and not compiled:  # transformers compiles each chunk's forward under compile: eager only
+    if chunk_all:
+        row["chunked_peak_gb"], row["peak_gb"] = row["peak_gb"], None
+    elif chunk is not None and not compiled:  # transformers compiles each chunk's forward under compile: eager only
         row["chunked_peak_gb"] = _generate_once(model, name, ids, n, compiled, chunk=chunk)["peak_gb"]
     return row
 
@@ -437,7 +446,7 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
         base = None
         for name, compiled in plan:
             try:
-                r = e2e_row(model, name, ids, n, compiled, cfg.e2e_prefill_chunk)
+                r = e2e_row(model, name, ids, n, compiled, cfg.e2e_prefill_chunk, cfg.e2e_chunk_all)
             except torch.cuda.OutOfMemoryError as error:
                 log(f"{name} ({'compiled' if compiled else 'eager'}) at batch {batch}: out of memory "
                     f"({str(error).splitlines()[0]})")
@@ -452,7 +461,7 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
             rows.append(r)
             log(_e2e_line(r))
     cfg.results["e2e"] = dict(context=s, layers=cfg.e2e_layers, new_tokens=n, prefill_chunk=cfg.e2e_prefill_chunk,
-                              rows=rows)
+                              chunk_all=cfg.e2e_chunk_all, rows=rows)
     del model
     return rows
 

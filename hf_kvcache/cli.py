@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per end-to-end generate call")
     bench.add_argument("--prefill-chunk", type=int, default=2048,
                        help="prefill_chunk_size of the end-to-end part's chunked call (0: none)")
+    bench.add_argument("--prefill-chunk-all", action="store_true",
+                       help="the end-to-end part's timed calls prefill in chunks of --prefill-chunk too (a batch "
+                       "whose unchunked prefill runs out of memory, e.g. 64 x 32k); their peak is the chunked peak")
     bench.add_argument("--e2e-modes", default="eager,compiled",
                        help="forms of each method in the end-to-end part: eager (no max_cache_len), compiled "
                        "(max_cache_len, generate's compile; adds transformers' StaticCache compiled as a baseline)")
@@ -746,6 +749,7 @@ def _bench(args: argparse.Namespace) -> int:
             e2e_layers=args.e2e_layers,
             e2e_new_tokens=args.new_tokens,
             e2e_prefill_chunk=args.prefill_chunk or None,
+            e2e_chunk_all=args.prefill_chunk_all,
             capacity_budget_gb=args.budget_gb,
             multi_gpu_layers=args.multi_gpu_layers,
             decode_batches=_int_list(args.decode_batches, "--decode-batches"),
@@ -756,6 +760,8 @@ def _bench(args: argparse.Namespace) -> int:
         if args.new_tokens < 3 or args.prefill_chunk < 0:
             raise UsageError(f"--new-tokens must be at least 3 (got {args.new_tokens}) and --prefill-chunk at least "
                              f"0 (got {args.prefill_chunk})")
+        if args.prefill_chunk_all and not args.prefill_chunk:
+            raise UsageError("--prefill-chunk-all chunks every call by --prefill-chunk: give it a size (not 0)")
         if args.decode_methods is not None:
             cfg.decode_methods = tuple(split_methods([args.decode_methods]))
         if args.methods is not None:

@@ -9,12 +9,19 @@ from hf_kvcache.bench import e2e_row
 from tests.helpers.tiny_models import tiny_input_ids, tiny_model
 
 
-@pytest.mark.parametrize("name,compiled,chunk", [("dynamic", False, None), ("int4-g32", False, 16),
-                                                 ("static", True, 16), ("kivi-2", True, None)])
-def test_e2e_row_reports_a_generate_call_as_users_make_it(name, compiled, chunk):
+@pytest.mark.parametrize("name,compiled,chunk,chunk_all", [("dynamic", False, None, False),
+                                                           ("int4-g32", False, 16, False), ("static", True, 16, False),
+                                                           ("kivi-2", True, None, False), ("fp8-e4m3", False, 16, True)])
+def test_e2e_row_reports_a_generate_call_as_users_make_it(name, compiled, chunk, chunk_all):
     model = tiny_model("llama", "sdpa")
     ids = tiny_input_ids(model, batch=2, length=40)
-    row = e2e_row(model, name, ids, 5, compiled, chunk)
+    forwards = []
+    model.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    row = e2e_row(model, name, ids, 5, compiled, chunk, chunk_all)
+    if not compiled:  # two timed calls (chunked with chunk_all), and the chunked call otherwise
+        prefill = -(-40 // chunk) if chunk_all else 1
+        extra = 0 if chunk is None or chunk_all else -(-40 // chunk) + 4
+        assert len(forwards) == 2 * (prefill + 4) + extra
     assert row["mode"] == ("compiled" if compiled else "eager") and (row["batch"], row["context"]) == (2, 40)
     assert 0 < row["prefill_s"] < row["second_call_s"] and row["first_call_s"] > 0
     assert 0 < row["step_ms"] * 1e-3 * 4 < row["second_call_s"]  # 5 forwards: a step, 4 times over, fits in the call

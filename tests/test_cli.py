@@ -222,7 +222,8 @@ def test_eval_quick_on_the_default_model(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv,message",
-    [(["bench", "--parts", "kernel,speed"], "unknown part"), (["bench", "--batches", "1,x"], "--batches")]
+    [(["bench", "--parts", "kernel,speed"], "unknown part"), (["bench", "--batches", "1,x"], "--batches"),
+     (["bench", "--prefill-chunk", "0", "--prefill-chunk-all"], "give it a size")]
     + ([] if __import__("torch").cuda.is_available() else [(["bench"], "needs a CUDA device")])
     + ([] if __import__("torch").cuda.device_count() >= 2 else [(["bench", "--multi-gpu"], "at least 2 CUDA GPUs")]),
 )
