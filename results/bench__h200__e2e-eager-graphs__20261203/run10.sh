@@ -1,8 +1,8 @@
 # GPU run 10 (issue 28, 2026-12-03), after the mask function leaves plain causal prefill chunks out and a long write
 # grows the capacity to what it needs (+64 tokens): (A) eager batch 16 x 32k with the prefill_chunk_size=2048 call
 # (its peak); (B) compiled at batch 16 and 1 for fp8-e4m3, int8, int4-g128 against DynamicCache and transformers'
-# StaticCache in one run; (C), (D), (E): planned for a second call, not made (run 11 replaced it): eager batch 1 for more presets, the kernels' chunk
-# tests on CUDA (no mask: causal by position; a padding mask); (E) what is live at the chunked peak now.
+# StaticCache in one run. A second call was planned (eager batch 1 for more presets, the kernels' chunk tests on CUDA,
+# what is live at the chunked peak now) and not made: run 11 replaced it.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 D=results/bench__h200__e2e-eager-graphs__20261203
