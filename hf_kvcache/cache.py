@@ -247,7 +247,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.pad_lengths: torch.Tensor | None = None  # (B,) left padding per row, when transformers tells us
         self._pads_settled = False  # the prompt came in one piece: its padding is known
         self.dtype: torch.dtype | None = None
-        self._pending = False  # a decode step's K/V wait in `_inputs` for the attention to store them (`replay`)
+        self._pending = False  # a decode step's K/V (`_step_kv`) wait for the attention to store them (`replay`)
+        self._step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._inputs: _StepInputs | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._replayable: tuple[int, bool] | None = None
@@ -390,9 +391,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._host_length = held + t
         self.cumulative_length += t
         if t == 1 and self._can_replay(key_states, value_states):
-            # The attention stores this token and attends in one CUDA graph (`replay`).
-            self._inputs.k.copy_(key_states)
-            self._inputs.v.copy_(value_states)
+            # The attention stores this token and attends in one CUDA graph (`replay`), which copies it into the
+            # graph's buffers with the query in one launch.
+            self._step_kv = (key_states, value_states)
             self._pending = True
             return KVHandle(self, "keys", self._inputs.k), KVHandle(self, "values", self._inputs.v)
         observed = any(s.codec.observing for s in self._streams.values())
@@ -461,6 +462,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             return
         self._pending = False
         k, v = self._inputs.k, self._inputs.v
+        torch._foreach_copy_([k, v], self._take_step_kv())
         if self.policy.key_rotation is not None:
             k.copy_(self.policy.key_rotation.apply(k))  # in place: the handle's exact new keys are in the stored frame
         held = self._host_held() - 1
@@ -488,6 +490,10 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._version += 1  # a captured step reads the old buffers
         return True
 
+    def _take_step_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, self._step_kv = self._step_kv, None
+        return kv
+
     @property
     def has_pending(self) -> bool:
         return self._pending
@@ -501,18 +507,16 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.write_pending()
             return None
         self._pending = False
+        new_kv = self._take_step_kv()
         key = (float(scaling), softcap, None if s_aux is None else s_aux.data_ptr(), tuple(query.shape), query.dtype,
                None if attention_mask is None else tuple(attention_mask.shape[:3]), self.quantize_before_attention)
         entry = self._graphs.get(key)
         if entry is not None and entry.version == self._version:
-            entry.q.copy_(query)
-            if attention_mask is not None:
-                entry.mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
             if self.device.index != torch.cuda.current_device():
                 with torch.cuda.device(self.device):
-                    entry.graph.replay()
+                    self._replay(entry, query, new_kv, attention_mask)
             else:
-                entry.graph.replay()
+                self._replay(entry, query, new_kv, attention_mask)
             return entry.out
         # This storage version's first step of this shape: run it eagerly (it compiles the kernels), then capture it
         # for the next ones, over buffers of its own.
@@ -520,6 +524,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if attention_mask is not None:
             mask = torch.zeros((*attention_mask.shape[:3], self.capacity), dtype=torch.bool, device=self.device)
             mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
+        torch._foreach_copy_([self._inputs.k, self._inputs.v], new_kv)
         entry = _Graph(self._version, query.contiguous().clone(), mask)
         out = self._graph_step(entry, scaling, softcap, s_aux)
         try:
@@ -534,6 +539,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._graphs = {k: v for k, v in self._graphs.items() if v.version == self._version}
         self._graphs[key] = entry
         return out
+
+    def _replay(self, entry: _Graph, query: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None) -> None:
+        # the query and the new K/V into the graph's buffers in one launch, not three (each launch costs host time)
+        torch._foreach_copy_([entry.q, self._inputs.k, self._inputs.v], [query, *new_kv])
+        if attention_mask is not None:
+            entry.mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
+        entry.graph.replay()
 
     def _graph_step(self, entry: _Graph, scaling: float, softcap: float | None,
                     s_aux: torch.Tensor | None) -> torch.Tensor:
@@ -706,7 +719,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self.pad_lengths = None
         self._pads_settled = False
-        self._pending = False
+        self._pending, self._step_kv = False, None
         self._version += 1
 
     def crop(self, tokens_to_remove: int) -> None:
