@@ -14,6 +14,8 @@ q1 . k1' + q2 . k2'.
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -25,11 +27,18 @@ from .pack import _fp16_outward
 def _words(C, row_off, ok, C0: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr):
     """The packed bits of channels C0 .. C0 + W - 1 of the rows at byte offsets `row_off (N, 1)`: int32 (N, W / 8),
     one word per 8 channels. Codes are a little-endian bit stream (`quant.pack_bits`): every 8 channels are BITS
-    bytes, read as BITS byte planes (one load per byte, not per code)."""
-    base = C + row_off + ((C0 // 8 + tl.arange(0, W // 8)) * BITS)[None, :]
-    word = tl.load(base, mask=ok, other=0).to(tl.int32)
-    for i in tl.static_range(1, BITS):
-        word = word | (tl.load(base + i, mask=ok, other=0).to(tl.int32) << (8 * i))
+    bytes, one aligned 32-bit load at 4 bits, 16-bit at 2, three byte planes at 3 (one load per byte, not per code;
+    the launcher checks the alignment)."""
+    j = (C0 // 8 + tl.arange(0, W // 8))[None, :]
+    if BITS == 4:
+        word = tl.load(C.to(tl.pointer_type(tl.int32)) + row_off // 4 + j, mask=ok, other=0)
+    elif BITS == 2:
+        word = tl.load(C.to(tl.pointer_type(tl.int16)) + row_off // 2 + j, mask=ok, other=0).to(tl.int32) & 0xFFFF
+    else:
+        base = C + row_off + j * BITS
+        word = tl.load(base, mask=ok, other=0).to(tl.int32)
+        for i in tl.static_range(1, BITS):
+            word = word | (tl.load(base + i, mask=ok, other=0).to(tl.int32) << (8 * i))
     return word
 
 
@@ -44,16 +53,51 @@ def _split8(word, BITS: tl.constexpr):
     return tl.reshape(tl.join(lo, hi), (word.shape[0], word.shape[1] * 8))
 
 
+LOOKUP_SELECTS = 0
+LOOKUP_LOAD = 1
+LOOKUP_REGISTERS = 2
+
+
 @triton.jit
-def _lookup(CB, code, BITS: tl.constexpr, SELECT: tl.constexpr):
+def _lookup(CB, code, BITS: tl.constexpr, LOOKUP: tl.constexpr):
     """codebook[code] as float32: a chain of selects over the 2^BITS centroids (no dependent load), or a gather."""
-    if SELECT:
+    if LOOKUP == 0:
         x = tl.zeros(code.shape, tl.float32) + tl.load(CB)
         for j in tl.static_range(1, 1 << BITS):
             x = tl.where(code == j, tl.load(CB + j), x)
     else:
         x = tl.load(CB + code)
     return x
+
+
+@triton.jit
+def _table_word(h, j, K: tl.constexpr, HIGH: tl.constexpr):
+    """Byte HIGH of the fp16 patterns `h (16,)` of entries 4K .. 4K + 3, as one int32 word (entry 4K in byte 0)."""
+    b = (h >> (8 * HIGH)) & 0xFF
+    return tl.sum(tl.where(j // 4 == K, b << (8 * (j % 4)), 0), 0)
+
+
+@triton.jit
+def _tables(CB, BITS: tl.constexpr):
+    """The codebook `CB (2^BITS,) float32` rounded to fp16, as the eight words `_lookup_registers` reads: the low
+    bytes of entries 0-3, 4-7, 8-11, 12-15, then their high bytes (entries past 2^BITS are 0). Once a program."""
+    j = tl.arange(0, 16)
+    h = tl.load(CB + j, mask=j < (1 << BITS), other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    h = h & 0xFFFF
+    return (_table_word(h, j, 0, 0), _table_word(h, j, 1, 0), _table_word(h, j, 2, 0), _table_word(h, j, 3, 0),
+            _table_word(h, j, 0, 1), _table_word(h, j, 1, 1), _table_word(h, j, 2, 1), _table_word(h, j, 3, 1))
+
+
+@triton.jit
+def _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM: tl.constexpr):
+    """codebook[code] of the 8 codes of each word `(N, M)` as fp16 (N, 8M) in channel order, looked up in registers
+    by `lookup_asm(BITS)` against the byte tables of `_tables` (GPU only: inline PTX)."""
+    o = tl.inline_asm_elementwise(
+        ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r", [word, t0, t1, t2, t3, t4, t5, t6, t7],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+    x = tl.join(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])), tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])))
+    return tl.reshape(x, (word.shape[0], word.shape[1] * 8))
 
 
 @triton.jit
@@ -68,10 +112,15 @@ def _slots(OI, OV, row_off, ok, S: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def _dequant(word, idx, val, CB, C0: tl.constexpr, mid, half, BITS: tl.constexpr, S: tl.constexpr,
-             SP: tl.constexpr, SELECT: tl.constexpr):
+             SP: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
     """Dequantized values of channels C0 .. from their words (N, W / 8): float32 (N, W) = codebook[code] * half +
-    mid, then the outlier slots `idx`/`val (N, SP)` (NaN value = empty) written over."""
-    x = _lookup(CB, _split8(word, BITS), BITS, SELECT) * half + mid
+    mid, then the outlier slots `idx`/`val (N, SP)` (NaN value = empty) written over. LOOKUP_REGISTERS reads the
+    byte tables t0..t7 (`_tables`); the other lookups read CB."""
+    if LOOKUP == 2:
+        c = _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM).to(tl.float32)
+    else:
+        c = _lookup(CB, _split8(word, BITS), BITS, LOOKUP)
+    x = c * half + mid
     ch = C0 + tl.arange(0, x.shape[1])[None, :]
     sp = tl.arange(0, SP)[None, :]
     for s in tl.static_range(S):
@@ -155,7 +204,8 @@ def _nuq_attn(
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr, K_SP: tl.constexpr,
-    V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, SELECT: tl.constexpr,
+    V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, LOOKUP: tl.constexpr, K_ASM: tl.constexpr,
+    V_ASM: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0,
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
@@ -208,6 +258,8 @@ def _nuq_attn(
         half1 = tl.load(KHALF + h * D + e)[None, :]
         half2 = tl.load(KHALF + h * D + HALF + e)[None, :]
         inv_freq = tl.load(INVF + e) if ROPE else e.to(tl.float32)
+        kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7 = _tables(KCB, K_BITS)  # (dead code for the other lookups)
+        vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7 = _tables(VCB, V_BITS)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, tl.cdiv(n_body, BLOCK_N))
         kw1n, kw2n, vwn, kin, kvn, vin, vvn, posn, v_lon, v_hin = _fetch(
@@ -220,8 +272,10 @@ def _nuq_attn(
             kw1n, kw2n, vwn, kin, kvn, vin, vvn, posn, v_lon, v_hin = _fetch(
                 kc, koi, kov, kp, vc, voi, vov, vlo, vhi, tl.minimum(tile + 1, hi - 1), n_body, skc_t, sko_t, skp_t,
                 svc_t, svo_t, svl_t, BLOCK_N, D, K_BITS, V_BITS, K_S, V_S, K_SP, V_SP, ROPE)
-            k1 = _dequant(kw1, ki, kv, KCB, 0, mid1, half1, K_BITS, K_S, K_SP, SELECT)
-            k2 = _dequant(kw2, ki, kv, KCB, HALF, mid2, half2, K_BITS, K_S, K_SP, SELECT)
+            k1 = _dequant(kw1, ki, kv, KCB, 0, mid1, half1, K_BITS, K_S, K_SP, LOOKUP, K_ASM,
+                          kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7)
+            k2 = _dequant(kw2, ki, kv, KCB, HALF, mid2, half2, K_BITS, K_S, K_SP, LOOKUP, K_ASM,
+                          kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7)
             if ROPE:
                 cos, sin = _cos_sin(pos[:, None] * inv_freq[None, :], FAST_TRIG)
                 cos = cos * rope_scale
@@ -234,7 +288,7 @@ def _nuq_attn(
             s = _mask_scores(s, MASK, b, t, n_sink + tok, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _dequant(vw, vi, vv, VCB, 0, ((v_hi + v_lo) / 2)[:, None], ((v_hi - v_lo) / 2)[:, None], V_BITS,
-                          V_S, V_SP, SELECT)
+                          V_S, V_SP, LOOKUP, V_ASM, vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7)
             acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
     else:
         # ------------------------------------------------------------------ exact tokens
@@ -350,3 +404,55 @@ def _pack_nuq(
         nrm = tl.math.div_rn(x - mid[:, None], half[:, None])
     nrm = tl.minimum(tl.maximum(nrm, -1.0), 1.0)
     _store_codes(C + b * sc_b + h * sc_h, tok[:, None] * sc_t, nrm, MIDS, BLOCK_T, D, BITS, ok)
+
+
+@triton.jit
+def _lookup_probe(C, OUT, CB, s_t, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, N: tl.constexpr):
+    """The register lookup alone (tests): `OUT (N, D) fp16` = fp16(codebook)[code] of N rows of D channels' codes."""
+    tok = tl.arange(0, N)[:, None]
+    t0, t1, t2, t3, t4, t5, t6, t7 = _tables(CB, BITS)
+    word = _words(C, tok * s_t, tok < N, 0, D, BITS)
+    x = _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM)
+    tl.store(OUT + tok * D + tl.arange(0, D)[None, :], x)
+
+
+# --------------------------------------------------------------------------- the register lookup's PTX
+
+@functools.lru_cache(maxsize=None)
+def lookup_asm(bits: int) -> str:
+    """The PTX of `_lookup_registers` for `bits`-bit codes: input `$8` one word of 8 codes (the bit stream's 8 * bits
+    bits, code 0 lowest) and `$9`..`$16` the byte tables of `_tables`; outputs `$0`..`$7` the 8 fp16 centroids.
+
+    `prmt` picks four bytes out of the eight of two registers by four 3-bit selectors (the low 16 bits of its third
+    operand, a nibble each). Codes of 2 and 3 bits are spread onto nibbles and select the low and the high bytes of
+    their (up to 8) centroids in one `prmt` each; a 4-bit code's low 3 bits select in entries 0-7 and in 8-15, and
+    its top bit picks one of the two (a third `prmt` whose selector is `i + 4 * top` for byte i). Two more `prmt`
+    interleave the low and high bytes into fp16 pairs: about 3 instructions a code, against 2^bits compares and
+    selects for the chain of `_lookup`."""
+    if bits not in (2, 3, 4):
+        raise ValueError(f"the register lookup reads 2, 3 or 4-bit codes, got {bits}")
+    lines = ["{", ".reg .b32 r_s, r_c, r_x, r_y, r_la, r_lb, r_ha, r_hb, r_l, r_h, r_p;"]
+    if bits == 4:
+        lines += ["and.b32 r_s, $8, 0x77777777;",
+                  "shr.b32 r_c, $8, 1; and.b32 r_c, r_c, 0x44444444; or.b32 r_c, r_c, 0x32103210;"]
+    else:
+        lines += ["mov.b32 r_x, $8;"]
+    for half in range(2):
+        if bits == 4:
+            lines += ["prmt.b32 r_la, $9, $10, r_s; prmt.b32 r_lb, $11, $12, r_s;",
+                      "prmt.b32 r_ha, $13, $14, r_s; prmt.b32 r_hb, $15, $16, r_s;",
+                      "prmt.b32 r_l, r_la, r_lb, r_c; prmt.b32 r_h, r_ha, r_hb, r_c;"]
+        else:
+            mask = (1 << bits) - 1
+            lines += [f"and.b32 r_s, r_x, {mask:#x};"]
+            for k in range(1, 4):  # code k of the four onto nibble k
+                lines += [f"shl.b32 r_y, r_x, {k * (4 - bits)}; and.b32 r_y, r_y, {mask << (4 * k):#x};",
+                          "or.b32 r_s, r_s, r_y;"]
+            lines += ["prmt.b32 r_l, $9, $10, r_s; prmt.b32 r_h, $13, $14, r_s;"]
+        o = 4 * half
+        lines += [f"prmt.b32 r_p, r_l, r_h, 0x5140; mov.b32 {{${o}, ${o + 1}}}, r_p;",
+                  f"prmt.b32 r_p, r_l, r_h, 0x7362; mov.b32 {{${o + 2}, ${o + 3}}}, r_p;"]
+        if half == 0:
+            lines += (["shr.b32 r_s, r_s, 16; shr.b32 r_c, r_c, 16;"] if bits == 4
+                      else [f"shr.b32 r_x, r_x, {4 * bits};"])
+    return "\n".join(lines + ["}"])

@@ -28,7 +28,10 @@ TUNING = {
     "nuq_block_n": int(os.environ.get("HF_KVCACHE_NUQ_BLOCK_N", "32")),  # KVQuant's tiles (its own kernel)
     "nuq_num_warps": int(os.environ.get("HF_KVCACHE_NUQ_NUM_WARPS", "4")),
     "nuq_fast_trig": True,  # KVQuant's RoPE: reduced angles and the approximate hardware cos/sin
-    "nuq_select": True,  # KVQuant's codebook lookup: selects over the centroids (False: a gather load)
+    # KVQuant's codebook lookup (`nuq.py`): "registers" (PTX over fp16 byte tables; fp16 and bf16 models on the GPU,
+    # the others take "selects"), "selects" (a chain over the centroids) or "load" (a gather, the ablation)
+    "nuq_lookup": os.environ.get("HF_KVCACHE_NUQ_LOOKUP", "registers"),
+    "nuq_maxnreg": int(os.environ.get("HF_KVCACHE_NUQ_MAXNREG", "0")),  # a register cap for its programs (0: none)
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
     # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
@@ -525,6 +528,10 @@ def nuq_attention(
         codes = f["codes"]
         if codes.stride(3) != 1:
             raise ValueError("NUQ codes must be contiguous along head_dim")
+        word = {4: 4, 2: 2}.get(st.fmt.bits, 1)  # `nuq._words` reads 4-bit codes as int32, 2-bit as int16
+        if codes.data_ptr() % word or any(t % word for t in codes.stride()[:3]):
+            raise ValueError(f"{st.fmt.bits}-bit NUQ codes are read {word} bytes at a time: their rows must start "
+                             f"at multiples of {word} bytes (a contiguous copy of the codes does)")
         if not st.fmt.slots:
             return [codes, *codes.stride()[:3], dummy, dummy, 0, 0, slots]
         idx, val = f["out_idx"], f["out_val"]
@@ -550,6 +557,8 @@ def nuq_attention(
               (kf.inv_freq if rope else kf.codebook).to(device)]
     v_args = [*packed(values), *range_args, vf.codebook.to(device)]
     out = torch.empty((b, tq, hq, d), device=device, dtype=query.dtype)
+    lookup = _nuq_lookup(query)
+    cap = {"maxnreg": TUNING["nuq_maxnreg"]} if TUNING["nuq_maxnreg"] and not backend.interpreting() else {}
     nuq._nuq_attn[(b * hkv, n_splits + 1, m_tiles)](
         query, query.stride(0), query.stride(1), query.stride(2),
         *exact_places(keys, k_new), *exact_places(values, v_new),
@@ -561,12 +570,28 @@ def nuq_attention(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PREC=prec, HAS_MASK=attention_mask is not None,
         HAS_SOFTCAP=softcap is not None, ROPE=rope, K_BITS=kf.bits, V_BITS=vf.bits, K_S=kf.slots, V_S=vf.slots,
         K_SP=nuq.triton.next_power_of_2(max(kf.slots, 1)), V_SP=nuq.triton.next_power_of_2(max(vf.slots, 1)),
-        FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(), SELECT=TUNING["nuq_select"],
+        FAST_TRIG=TUNING["nuq_fast_trig"] and not backend.interpreting(), LOOKUP=lookup,
+        K_ASM=nuq.lookup_asm(kf.bits) if lookup == nuq.LOOKUP_REGISTERS else "",
+        V_ASM=nuq.lookup_asm(vf.bits) if lookup == nuq.LOOKUP_REGISTERS else "",
         STATIC=static is not None, SINK_CAP=static.sink_tokens if static is not None else 0,
-        num_warps=TUNING["nuq_num_warps"], num_stages=2,
+        num_warps=TUNING["nuq_num_warps"], num_stages=2, **cap,
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out
+
+
+def _nuq_lookup(query: torch.Tensor) -> int:
+    """KVQuant's lookup (`TUNING["nuq_lookup"]`): in registers only where the products are fp16 or bf16 on the GPU
+    (its fp16 centroids round by less than those products do); fp32 models and the interpreter take the selects."""
+    from . import nuq
+
+    name = TUNING["nuq_lookup"]
+    lookups = {"registers": nuq.LOOKUP_REGISTERS, "selects": nuq.LOOKUP_SELECTS, "load": nuq.LOOKUP_LOAD}
+    if name not in lookups:
+        raise ValueError(f"TUNING['nuq_lookup'] is one of {sorted(lookups)}, got {name!r}")
+    if lookups[name] == nuq.LOOKUP_REGISTERS and (query.dtype == torch.float32 or backend.interpreting()):
+        return nuq.LOOKUP_SELECTS
+    return lookups[name]
 
 
 def _into_frame(query: torch.Tensor, frame: tuple[torch.Tensor, torch.Tensor | None], hkv: int) -> torch.Tensor:

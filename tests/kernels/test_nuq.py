@@ -9,7 +9,8 @@ import torch
 
 from hf_kvcache import _compat, kernels, make_cache
 from hf_kvcache.attention import fused_attention, reference_attention
-from hf_kvcache.kernels import ops
+from hf_kvcache.kernels import nuq, ops
+from hf_kvcache.quant import pack_bits
 from tests.helpers.tiny_models import left_padded_batch, tiny_model
 from tests.kernels.test_decode import DEVICE
 
@@ -91,8 +92,30 @@ def test_decode_step_matches_reference(name, bits, kwargs):
 
 def test_codebook_gather_variant_matches_reference(monkeypatch):
     """The ablation's lookup (a gather load instead of selects over the centroids) stays correct."""
-    monkeypatch.setitem(ops.TUNING, "nuq_select", False)
+    monkeypatch.setitem(ops.TUNING, "nuq_lookup", "load")
     _compare("llama", steps=(70, 1))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the register lookup is PTX: bf16 and fp16 models on the GPU")
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_register_lookup_is_the_fp16_codebook(bits):
+    """Every code of random rows decodes through the PTX to its centroid rounded to fp16, exactly."""
+    gen = torch.Generator().manual_seed(bits)
+    book = torch.randn(2**bits, generator=gen).sort().values
+    codes = torch.randint(0, 2**bits, (32, 128), dtype=torch.uint8, generator=gen)
+    packed = pack_bits(codes, bits).cuda()
+    out = torch.empty(32, 128, device="cuda", dtype=torch.float16)
+    nuq._lookup_probe[(1,)](packed, out, book.cuda(), packed.stride(0), D=128, BITS=bits, ASM=nuq.lookup_asm(bits),
+                            N=32)
+    assert torch.equal(out.cpu(), book[codes.long()].half())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 products: the interpreter's are not trustworthy (CUDA only)")
+@pytest.mark.parametrize("lookup", ["registers", "selects"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_bfloat16_lookups_match_reference(bits, lookup, monkeypatch):
+    monkeypatch.setitem(ops.TUNING, "nuq_lookup", lookup)
+    _compare("llama", bits=bits, steps=(300, 1), dtype=torch.bfloat16, outlier_fraction=0.02)
 
 
 def test_chunk_of_queries_with_padding_mask():
