@@ -1,7 +1,7 @@
 """KVQuant's fused decode attention at batch 16 (and 1, 64) x 32k, Llama-3-8B heads, bf16: the codebook lookup in
 registers (PTX over fp16 byte tables) against the chain of selects, and the tile / warp / register-cap choices the
 register lookup changes. GPU time by CUDA-graph replay (`bench._graph_ms`), bf16 SDPA (cuDNN off) as the baseline,
-every variant's error against the reference attention over the same cache. Figures printed last."""
+every variant's largest error against the reference attention over the same cache. Figures printed last."""
 import sys
 
 import torch
@@ -65,8 +65,8 @@ with torch.no_grad():
         ops.TUNING.update(saved)
         ops.TUNING.update(tune)
         out = fused_attention(q, kh, vh, None, d**-0.5)
-        want = reference_attention(q[:4], kh[:4], vh[:4], None, d**-0.5).transpose(1, 2)
-        err = (out[:4].float() - want.float()).abs().max().item()
+        want = reference_attention(q, kh, vh, None, d**-0.5).transpose(1, 2)
+        err = (out.float() - want.float()).abs().max().item()
         ms = bench._graph_ms(lambda: fused_attention(q, kh, vh, None, d**-0.5))
         nbytes = sum(t.numel() * t.element_size() for t in layer.key_stream.kernel_view().fields.values())
         nbytes += sum(t.numel() * t.element_size() for t in layer.value_stream.kernel_view().fields.values())
