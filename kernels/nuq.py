@@ -124,9 +124,9 @@ def _dequant(word, idx, val, CB, C0: tl.constexpr, mid, half, BITS: tl.constexpr
     ch = C0 + tl.arange(0, x.shape[1])[None, :]
     sp = tl.arange(0, SP)[None, :]
     for s in tl.static_range(S):
-        i_s = tl.sum(tl.where(sp == s, idx, 0), 1)[:, None]
-        v_s = tl.sum(tl.where(sp == s, val, 0.0), 1)[:, None]
-        x = tl.where((ch == i_s) & (v_s == v_s), v_s, x)
+        v_s = tl.sum(tl.where(sp == s, val, 0.0), 1)
+        i_s = tl.where(v_s == v_s, tl.sum(tl.where(sp == s, idx, 0), 1), -1)  # an empty slot: no channel
+        x = tl.where(ch == i_s[:, None], v_s[:, None], x)
     return x
 
 
