@@ -456,8 +456,8 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
                 from .patching import unfuse
 
                 unfuse(model)  # a RotatedCache fused its rotation: the next method gets the model it expects
-            base = base or r["step_ms"]
-            r["vs_dynamic"] = base / r["step_ms"]
+            base = r["step_ms"] if name == "dynamic" else base
+            r["vs_dynamic"] = None if base is None else base / r["step_ms"]  # None: DynamicCache did not run
             rows.append(r)
             log(_e2e_line(r))
     cfg.results["e2e"] = dict(context=s, layers=cfg.e2e_layers, new_tokens=n, prefill_chunk=cfg.e2e_prefill_chunk,
@@ -466,12 +466,17 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
     return rows
 
 
+def _vs_dynamic(r: dict) -> str:
+    """The row's ratio to DynamicCache at its batch, or why there is none."""
+    return "(DynamicCache did not run)" if r["vs_dynamic"] is None else f"x{r['vs_dynamic']:.2f} DynamicCache"
+
+
 def _e2e_line(r: dict) -> str:
     def gb(x):
         return "-" if x is None else f"{x:6.2f} GB"
 
     return (f"batch {r['batch']:3d} {r['method']:>14} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  "
-            f"x{r['vs_dynamic']:.2f} DynamicCache  first call {r['first_call_s']:6.1f} s, second "
+            f"{_vs_dynamic(r)}  first call {r['first_call_s']:6.1f} s, second "
             f"{r['second_call_s']:6.1f} s  recompiles {r['recompiles']}  peak {gb(r['peak_gb'])}, chunked "
             f"{gb(r['chunked_peak_gb'])}  cache {r['cache_gb']:.2f} GB"
             + ("" if r["host_us_per_layer"] is None else f"  host {r['host_us_per_layer']:.0f} us/layer"))
@@ -637,11 +642,11 @@ def decode_part(cfg: BenchConfig, log=print) -> list[dict]:
                 from .patching import unfuse
 
                 unfuse(model)
-            base = base or r["step_ms"]
-            r["vs_dynamic"] = base / r["step_ms"]
+            base = r["step_ms"] if name == "dynamic" else base
+            r["vs_dynamic"] = None if base is None else base / r["step_ms"]  # None: DynamicCache did not run
             rows.append(r)
             log(f"batch {batch:3d} {name:>10} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  {r['tok_s']:8.1f} tok/s  "
-                f"x{r['vs_dynamic']:.2f} DynamicCache  GPU {r['gpu_ms']:6.2f} ms (wall/GPU {r['wall_over_gpu']:.2f})  "
+                f"{_vs_dynamic(r)}  GPU {r['gpu_ms']:6.2f} ms (wall/GPU {r['wall_over_gpu']:.2f})  "
                 f"warm-up {r['warmup_s']:5.1f} s  recompiles {r['recompiles']}  peak {r['peak_gb']:6.2f} GB"
                 + (f"  host {r['host_us_per_layer']:.0f} us/layer" if r["mode"] == "eager" else ""))
     cfg.results["decode"] = dict(context=cfg.e2e_context, layers=cfg.e2e_layers, rows=rows)

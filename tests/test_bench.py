@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_kvcache.bench import e2e_row
+from hf_kvcache.bench import _e2e_line, e2e_row
 from tests.helpers.tiny_models import tiny_input_ids, tiny_model
 
 
@@ -29,3 +29,12 @@ def test_e2e_row_reports_a_generate_call_as_users_make_it(name, compiled, chunk,
     assert row["peak_gb"] is None and row["chunked_peak_gb"] is None  # CUDA only
     assert (row["host_us_per_layer"] is None) == compiled
     assert compiled or row["host_us_per_layer"] > 0
+
+
+def test_a_row_without_dynamic_cache_says_so():
+    """A batch where DynamicCache ran out of memory has no baseline: its rows say so, not a ratio to another row."""
+    row = dict(method="fp8-e4m3", mode="eager", batch=64, step_ms=12.75, vs_dynamic=None, first_call_s=51.9,
+               second_call_s=47.8, recompiles=0, peak_gb=None, chunked_peak_gb=50.1, cache_gb=34.4,
+               host_us_per_layer=29.0)
+    assert "(DynamicCache did not run)" in _e2e_line(row) and "x1.00" not in _e2e_line(row)
+    assert "x1.34 DynamicCache" in _e2e_line(dict(row, vs_dynamic=1.34))
