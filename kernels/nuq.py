@@ -3,6 +3,10 @@ nearest-centroid codes, sparse outlier slots; values per token) and a fused deco
 codes, looks up the codebook, writes the outlier slots over the tile, applies RoPE to the dequantized keys at
 each token's stored position and runs the same online softmax as `decode.py`.
 
+The lookup (`LOOKUP`) is the body's cost: fp16 and bf16 models on the GPU look the codebook up in registers
+(`lookup_asm`: byte permutes over the centroids rounded to fp16, whose rounding is below that of the products'
+operands); fp32 models and the interpreter take a chain of 2^bits selects over the float32 centroids.
+
 The layout and the math are `hf_kvcache.methods.kvquant`'s (the reference codecs); the launchers are
 `ops.nuq_attention`, `ops.pack_nuq_keys` and `ops.pack_nuq_values`.
 
