@@ -87,7 +87,8 @@ class NUQFormat:
     NaN = empty). Keys: per-channel ranges `mid`/`half (H, D) float32` (value = codebook[code] * half + mid) and,
     with `inv_freq (D/2,) float32`, pre-RoPE storage with `pos (B, 1, T) int32`: the read applies RoPE at `pos`
     (angles pos * inv_freq, times `rope_scale`). Values: per-token `lo`/`hi (B, H, T, 1) fp16` (mid and half
-    from them)."""
+    from them). `fp16`: every dequantized value fits fp16's range (the slots and the values' ranges are fp16; the
+    keys' `mid`/`half` were checked when their codec was built), so the kernel may dequantize in fp16."""
 
     bits: int
     codebook: torch.Tensor  # (2^b,) float32, ascending
@@ -98,6 +99,7 @@ class NUQFormat:
     rope_scale: float = 1.0
     kind: str = "nuq"
     token_group: int = 1
+    fp16: bool = True
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4) or self.codebook.numel() != 2**self.bits:

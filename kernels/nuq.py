@@ -116,22 +116,41 @@ def _slots(OI, OV, row_off, ok, S: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def _dequant(word, idx, val, CB, C0: tl.constexpr, mid, half, BITS: tl.constexpr, S: tl.constexpr,
-             SP: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
-    """Dequantized values of channels C0 .. from their words (N, W / 8): float32 (N, W) = codebook[code] * half +
-    mid, then the outlier slots `idx`/`val (N, SP)` (NaN value = empty) written over. LOOKUP_REGISTERS reads the
-    byte tables t0..t7 (`_tables`); the other lookups read CB."""
-    if LOOKUP == 2:
-        c = _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM).to(tl.float32)
+             SP: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7,
+             H16: tl.constexpr):
+    """Dequantized values of channels C0 .. from their words (N, W / 8): (N, W) = codebook[code] * half + mid,
+    then the outlier slots `idx`/`val (N, SP)` (NaN value = empty) written over. LOOKUP_REGISTERS reads the byte
+    tables t0..t7 (`_tables`); the other lookups read CB. H16 (with the register lookup): fp16 arithmetic on pairs
+    of channels, `mid`/`half` fp16, the result fp16; float32 otherwise."""
+    if H16:
+        x = _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM) * half + mid
+    elif LOOKUP == 2:
+        x = _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM).to(tl.float32) * half + mid
     else:
-        c = _lookup(CB, _split8(word, BITS), BITS, LOOKUP)
-    x = c * half + mid
+        x = _lookup(CB, _split8(word, BITS), BITS, LOOKUP) * half + mid
     ch = C0 + tl.arange(0, x.shape[1])[None, :]
     sp = tl.arange(0, SP)[None, :]
     for s in tl.static_range(S):
         v_s = tl.sum(tl.where(sp == s, val, 0.0), 1)
         i_s = tl.where(v_s == v_s, tl.sum(tl.where(sp == s, idx, 0), 1), -1)  # an empty slot: no channel
-        x = tl.where(ch == i_s[:, None], v_s[:, None], x)
+        v_s = v_s[:, None]
+        i_s = i_s[:, None]
+        if H16:
+            x = _put16(x, tl.broadcast_to(ch.to(tl.float16), x.shape), tl.broadcast_to(i_s.to(tl.float16), x.shape),
+                       tl.broadcast_to(v_s.to(tl.float16), x.shape))
+        else:
+            x = tl.where(ch == i_s, v_s, x)
     return x
+
+
+@triton.jit
+def _put16(x, ch, i, v):
+    """fp16 `x` with `v` where channel `ch` equals `i` (fp16 tensors of one shape; channel numbers are exact in
+    fp16, an empty slot's -1 matches none): per pair of elements, one packed compare that sets each half's bits to
+    all ones or zeros, and one bitwise select (PTX), against a compare and a select per element."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 m; set.eq.u32.f16x2 m, $2, $3; lop3.b32 $0, $4, $1, m, 0xE4; }", "=r,r,r,r,r",
+        [x, ch, i, v], dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -210,7 +229,7 @@ def _nuq_attn(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_S: tl.constexpr, V_S: tl.constexpr, K_SP: tl.constexpr,
     V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, LOOKUP: tl.constexpr, K_ASM: tl.constexpr,
     V_ASM: tl.constexpr,
-    STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0,
+    STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, H16: tl.constexpr = False,
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
     packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
@@ -246,8 +265,17 @@ def _nuq_attn(
 
     if pid_s < n_splits:
         # ------------------------------------------------------------------ packed tokens
-        q1 = tl.load(Q + qoff[:, None] + e[None, :], mask=row_ok[:, None], other=0.0).to(DT)
-        q2 = tl.load(Q + qoff[:, None] + HALF + e[None, :], mask=row_ok[:, None], other=0.0).to(DT)
+        QT: tl.constexpr = tl.float16 if H16 else DT
+        q1 = tl.load(Q + qoff[:, None] + e[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(Q + qoff[:, None] + HALF + e[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if ROPE:  # the rotary module's scaling, on the query once instead of on every key
+            q1 = q1 * rope_scale
+            q2 = q2 * rope_scale
+        if H16:
+            q1 = tl.minimum(tl.maximum(q1, -65504.0), 65504.0)
+            q2 = tl.minimum(tl.maximum(q2, -65504.0), 65504.0)
+        q1 = q1.to(QT)
+        q2 = q2.to(QT)
         kc = KC + b * skc_b + h * skc_h
         koi = KOI + b * sko_b + h * sko_h
         kov = KOV + b * sko_b + h * sko_h
@@ -257,10 +285,11 @@ def _nuq_attn(
         vov = VOV + b * svo_b + h * svo_h
         vlo = VLO + b * svl_b + h * svl_h
         vhi = VHI + b * svl_b + h * svl_h
-        mid1 = tl.load(KMID + h * D + e)[None, :]
-        mid2 = tl.load(KMID + h * D + HALF + e)[None, :]
-        half1 = tl.load(KHALF + h * D + e)[None, :]
-        half2 = tl.load(KHALF + h * D + HALF + e)[None, :]
+        AT: tl.constexpr = tl.float16 if H16 else tl.float32  # the dequantization's arithmetic
+        mid1 = tl.load(KMID + h * D + e)[None, :].to(AT)
+        mid2 = tl.load(KMID + h * D + HALF + e)[None, :].to(AT)
+        half1 = tl.load(KHALF + h * D + e)[None, :].to(AT)
+        half2 = tl.load(KHALF + h * D + HALF + e)[None, :].to(AT)
         inv_freq = tl.load(INVF + e) if ROPE else e.to(tl.float32)
         kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7 = _tables(KCB, K_BITS)  # (dead code for the other lookups)
         vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7 = _tables(VCB, V_BITS)
@@ -277,23 +306,25 @@ def _nuq_attn(
                 kc, koi, kov, kp, vc, voi, vov, vlo, vhi, tl.minimum(tile + 1, hi - 1), n_body, skc_t, sko_t, skp_t,
                 svc_t, svo_t, svl_t, BLOCK_N, D, K_BITS, V_BITS, K_S, V_S, K_SP, V_SP, ROPE)
             k1 = _dequant(kw1, ki, kv, KCB, 0, mid1, half1, K_BITS, K_S, K_SP, LOOKUP, K_ASM,
-                          kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7)
+                          kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, H16)
             k2 = _dequant(kw2, ki, kv, KCB, HALF, mid2, half2, K_BITS, K_S, K_SP, LOOKUP, K_ASM,
-                          kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7)
+                          kt0, kt1, kt2, kt3, kt4, kt5, kt6, kt7, H16)
             if ROPE:
                 cos, sin = _cos_sin(pos[:, None] * inv_freq[None, :], FAST_TRIG)
-                cos = cos * rope_scale
-                sin = sin * rope_scale
+                cos = cos.to(k1.dtype)
+                sin = sin.to(k1.dtype)
                 r1 = k1 * cos - k2 * sin
                 k2 = k2 * cos + k1 * sin
                 k1 = r1
-            s = _dot(q1, tl.trans(k1.to(DT)), PREC) + _dot(q2, tl.trans(k2.to(DT)), PREC)
+            s = _dot(q1, tl.trans(k1.to(QT)), PREC) + _dot(q2, tl.trans(k2.to(QT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             s = _mask_scores(s, MASK, b, t, n_sink + tok, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-            vt = _dequant(vw, vi, vv, VCB, 0, ((v_hi + v_lo) / 2)[:, None], ((v_hi - v_lo) / 2)[:, None], V_BITS,
-                          V_S, V_SP, LOOKUP, V_ASM, vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+            v_mid = ((v_hi + v_lo) / 2)[:, None].to(AT)
+            v_half = ((v_hi - v_lo) / 2)[:, None].to(AT)
+            vt = _dequant(vw, vi, vv, VCB, 0, v_mid, v_half, V_BITS, V_S, V_SP, LOOKUP, V_ASM,
+                          vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7, H16)
+            acc = acc * alpha[:, None] + _dot(p.to(QT), vt.to(QT), PREC)
     else:
         # ------------------------------------------------------------------ exact tokens
         q = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
@@ -418,6 +449,17 @@ def _lookup_probe(C, OUT, CB, s_t, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.
     word = _words(C, tok * s_t, tok < N, 0, D, BITS)
     x = _lookup_registers(word, t0, t1, t2, t3, t4, t5, t6, t7, ASM)
     tl.store(OUT + tok * D + tl.arange(0, D)[None, :], x)
+
+
+@triton.jit
+def _put16_probe(X, I, V, OUT, N: tl.constexpr, D: tl.constexpr):
+    """`_put16` alone (tests): `OUT (N, D) fp16` = X with V[row] at channel I[row] (int32, -1 = none)."""
+    tok = tl.arange(0, N)[:, None]
+    ch = tl.arange(0, D)[None, :]
+    x = tl.load(X + tok * D + ch)
+    i = tl.broadcast_to(tl.load(I + tok).to(tl.float16), x.shape)
+    v = tl.broadcast_to(tl.load(V + tok), x.shape)
+    tl.store(OUT + tok * D + ch, _put16(x, tl.broadcast_to(ch.to(tl.float16), x.shape), i, v))
 
 
 # --------------------------------------------------------------------------- the register lookup's PTX

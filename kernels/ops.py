@@ -32,6 +32,9 @@ TUNING = {
     # the others take "selects"), "selects" (a chain over the centroids) or "load" (a gather, the ablation)
     "nuq_lookup": os.environ.get("HF_KVCACHE_NUQ_LOOKUP", "registers"),
     "nuq_maxnreg": int(os.environ.get("HF_KVCACHE_NUQ_MAXNREG", "0")),  # a register cap for its programs (0: none)
+    # with the register lookup: dequantize, rotate and multiply in fp16 (pairs of channels an instruction, the
+    # slots written by a packed compare), where the format's values fit fp16 (`NUQFormat.fp16`)
+    "nuq_fp16": os.environ.get("HF_KVCACHE_NUQ_FP16", "1") == "1",
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
     # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
@@ -574,6 +577,7 @@ def nuq_attention(
         K_ASM=nuq.lookup_asm(kf.bits) if lookup == nuq.LOOKUP_REGISTERS else "",
         V_ASM=nuq.lookup_asm(vf.bits) if lookup == nuq.LOOKUP_REGISTERS else "",
         STATIC=static is not None, SINK_CAP=static.sink_tokens if static is not None else 0,
+        H16=lookup == nuq.LOOKUP_REGISTERS and TUNING["nuq_fp16"] and kf.fp16 and vf.fp16,
         num_warps=TUNING["nuq_num_warps"], num_stages=2, **cap,
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)

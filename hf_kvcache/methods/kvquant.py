@@ -79,6 +79,9 @@ class KVQuantKeyCodec(Codec):
         self.bits, self.slots, self.rope = bits, slots, rope
         self.codebook = codebook.float()
         self.lo, self.hi = lo.float(), hi.float()  # (Hkv, D) calibrated thresholds
+        # whether every dense key, rotated (up to sqrt(2) larger), stays inside fp16's range: the kernel's fp16
+        # arithmetic (`NUQFormat.fp16`); read once here, never from a decode step
+        self._fp16 = float(torch.maximum(self.lo.abs(), self.hi.abs()).max()) * 1.5 < 65504
         self._format: NUQFormat | bool | None = None  # the kernels' view, built on first use
         self._pack_args: tuple | None = None  # the pack kernel's midpoints and normalization, built on first use
 
@@ -110,7 +113,7 @@ class KVQuantKeyCodec(Codec):
                 return None
             inv_freq, scale = found
         return NUQFormat(self.bits, self.codebook, self.slots, mid=(self.hi + self.lo) / 2, half=(self.hi - self.lo) / 2,
-                         inv_freq=inv_freq, rope_scale=scale)
+                         inv_freq=inv_freq, rope_scale=scale, fp16=self._fp16)
 
     def encode_into(self, x: torch.Tensor, valid: torch.Tensor | None, out: dict[str, torch.Tensor],
                     positions: torch.Tensor | None = None) -> None:

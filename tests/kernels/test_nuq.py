@@ -110,11 +110,29 @@ def test_register_lookup_is_the_fp16_codebook(bits):
     assert torch.equal(out.cpu(), book[codes.long()].half())
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the packed slot write is PTX (CUDA only)")
+def test_packed_slot_write_replaces_one_channel_a_row():
+    """`_put16`: the row's value lands at its channel, bit for bit, every other element stays; -1 writes nothing."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=gen).half()
+    idx = torch.randint(0, 64, (16,), generator=gen, dtype=torch.int32)
+    idx[3] = -1
+    val = torch.randn(16, generator=gen).half() * 100
+    out = torch.empty_like(x).cuda()
+    nuq._put16_probe[(1,)](x.cuda(), idx.cuda(), val.cuda(), out, N=16, D=64)
+    want = x.clone()
+    rows = (idx >= 0).nonzero().flatten()
+    want[rows, idx[rows].long()] = val[rows]
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 products: the interpreter's are not trustworthy (CUDA only)")
-@pytest.mark.parametrize("lookup", ["registers", "selects"])
+@pytest.mark.parametrize("lookup,fp16", [("registers", True), ("registers", False), ("selects", False)])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_bfloat16_lookups_match_reference(bits, lookup, monkeypatch):
+def test_bfloat16_lookups_match_reference(bits, lookup, fp16, monkeypatch):
+    """Each lookup, and the register lookup's fp16 dequantization on and off (`TUNING["nuq_fp16"]`)."""
     monkeypatch.setitem(ops.TUNING, "nuq_lookup", lookup)
+    monkeypatch.setitem(ops.TUNING, "nuq_fp16", fp16)
     _compare("llama", bits=bits, steps=(300, 1), dtype=torch.bfloat16, outlier_fraction=0.02)
 
 

@@ -91,6 +91,13 @@ def test_outlier_slots_hold_the_largest_values_exactly():
     assert _sqnr_db(v, v1) > _sqnr_db(v, v0) + 3
 
 
+def test_kernel_dequantizes_in_fp16_only_where_the_calibrated_keys_fit():
+    book = torch.linspace(-1, 1, 8)
+    small, big = torch.full((2, 64), 3.0), torch.full((2, 64), 5e4)  # rotated, 5e4 can reach 7.1e4 > fp16's max
+    assert KVQuantKeyCodec(3, book, -small, small, slots=1, rope=None)._kernel_format().fp16
+    assert not KVQuantKeyCodec(3, book, -small, big, slots=1, rope=None)._kernel_format().fp16
+
+
 def test_memory_per_token_is_what_the_docstring_says():
     model = tiny_model("llama")  # 2 kv-heads, head_dim 64, 3 layers
     k, v = _kv(model)
