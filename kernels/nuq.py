@@ -31,18 +31,27 @@ from .pack import _fp16_outward
 def _words(C, row_off, ok, C0: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr):
     """The packed bits of channels C0 .. C0 + W - 1 of the rows at byte offsets `row_off (N, 1)`: int32 (N, W / 8),
     one word per 8 channels. Codes are a little-endian bit stream (`quant.pack_bits`): every 8 channels are BITS
-    bytes, one aligned 32-bit load at 4 bits, 16-bit at 2, three byte planes at 3 (one load per byte, not per code;
-    the launcher checks the alignment)."""
-    j = (C0 // 8 + tl.arange(0, W // 8))[None, :]
+    bytes, one aligned 32-bit load at 4 bits, 16-bit at 2; at 3 bits group j starts at bit 24 j, read as a funnel
+    shift of the aligned 32-bit word holding that bit and, for groups that cross into it, the next (the bits above a
+    group's 24 are not read); 16 channels are three byte planes. The launcher checks the alignment."""
     if BITS == 4:
+        j = (C0 // 8 + tl.arange(0, W // 8))[None, :]
         word = tl.load(C.to(tl.pointer_type(tl.int32)) + row_off // 4 + j, mask=ok, other=0)
     elif BITS == 2:
+        j = (C0 // 8 + tl.arange(0, W // 8))[None, :]
         word = tl.load(C.to(tl.pointer_type(tl.int16)) + row_off // 2 + j, mask=ok, other=0).to(tl.int32) & 0xFFFF
-    else:
-        base = C + row_off + j * BITS
+    elif W % 32:  # 16 channels (head_dim 32's halves): byte planes, one load per byte
+        base = C + row_off + (C0 // 8 + tl.arange(0, W // 8))[None, :] * 3
         word = tl.load(base, mask=ok, other=0).to(tl.int32)
-        for i in tl.static_range(1, BITS):
+        for i in tl.static_range(1, 3):
             word = word | (tl.load(base + i, mask=ok, other=0).to(tl.int32) << (8 * i))
+    else:
+        j = (C0 // 8 + tl.arange(0, W // 8))[None, :]
+        w = C.to(tl.pointer_type(tl.int32)) + row_off // 4 + (3 * j) // 4  # the word holding group j's first bit
+        sh = (24 * j) % 32
+        lo = tl.load(w, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
+        hi = tl.load(w + 1, mask=ok & (sh >= 16), other=0).to(tl.int64)  # only groups that cross a word
+        word = ((lo | (hi << 32)) >> sh).to(tl.int32)
     return word
 
 

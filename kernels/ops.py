@@ -531,7 +531,7 @@ def nuq_attention(
         codes = f["codes"]
         if codes.stride(3) != 1:
             raise ValueError("NUQ codes must be contiguous along head_dim")
-        word = {4: 4, 2: 2}.get(st.fmt.bits, 1)  # `nuq._words` reads 4-bit codes as int32, 2-bit as int16
+        word = {4: 4, 3: 4, 2: 2}[st.fmt.bits]  # `nuq._words` reads 4 and 3-bit codes as int32, 2-bit as int16
         if codes.data_ptr() % word or any(t % word for t in codes.stride()[:3]):
             raise ValueError(f"{st.fmt.bits}-bit NUQ codes are read {word} bytes at a time: their rows must start "
                              f"at multiples of {word} bytes (a contiguous copy of the codes does)")
