@@ -3,17 +3,19 @@ nearest-centroid codes, sparse outlier slots; values per token) and a fused deco
 codes, looks up the codebook, writes the outlier slots over the tile, applies RoPE to the dequantized keys at
 each token's stored position and runs the same online softmax as `decode.py`.
 
-The lookup (`LOOKUP`) is the body's cost: fp16 and bf16 models on the GPU look the codebook up in registers
+The body is bound by instructions. fp16 and bf16 models on the GPU look the codebook up in registers
 (`lookup_asm`: byte permutes over the centroids rounded to fp16, whose rounding is below that of the products'
-operands); fp32 models and the interpreter take a chain of 2^bits selects over the float32 centroids.
+operands) and, where the format's values fit fp16 (`H16`, `NUQFormat.fp16`), dequantize, rotate and multiply in
+fp16 on pairs of channels, the outlier slots written by a packed compare (`_put16`); fp32 models and the
+interpreter take a chain of 2^bits selects over the float32 centroids and float32 arithmetic.
 
 The layout and the math are `hf_kvcache.methods.kvquant`'s (the reference codecs); the launchers are
 `ops.nuq_attention`, `ops.pack_nuq_keys` and `ops.pack_nuq_values`.
 
 RoPE (rotate-half convention): with the pre-RoPE key split in halves k1, k2 and angles pos * inv_freq,
-k1' = k1 cos - k2 sin, k2' = k2 cos + k1 sin (times the rotary module's attention scaling). The attention kernel
-works on the two halves as separate tiles, so the rotation needs no permutation of channels, and the score is
-q1 . k1' + q2 . k2'.
+k1' = k1 cos - k2 sin, k2' = k2 cos + k1 sin (times the rotary module's attention scaling, which the attention
+kernel multiplies into the query instead). The attention kernel works on the two halves as separate tiles, so the
+rotation needs no permutation of channels, and the score is q1 . k1' + q2 . k2'.
 """
 
 from __future__ import annotations
