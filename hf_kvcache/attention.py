@@ -257,6 +257,14 @@ def _bottom_right_causal(tq: int, s: int, device: torch.device) -> torch.Tensor:
     return torch.ones((tq, s), dtype=torch.bool, device=device).tril(s - tq)[None, None]
 
 
+def _decode_mask(attention_mask: torch.Tensor, kv_length: int, q_offset) -> torch.Tensor:
+    """`(B, 1, 1, kv_length)` boolean: one query at position `q_offset` (an int or a 0-dim device tensor: no host read)
+    sees the tokens up to its own that the 2D padding mask `(B, L <= kv_length)` keeps; the columns past L are False,
+    as sdpa_mask pads them."""
+    keep = F.pad(attention_mask.bool(), (0, kv_length - attention_mask.shape[-1]))
+    return (keep & (torch.arange(kv_length, device=attention_mask.device) <= q_offset))[:, None, None, :]
+
+
 def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                 mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
                 local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
@@ -265,11 +273,19 @@ def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     by position. transformers skips the mask only when Tq is 1 or equals S (SDPA's is_causal aligns top-left), so
     every prefill chunk after the first built `(B, 1, Tq, S)` booleans: 1.07 GB at batch 16 x 2048 x 32k, beside the
     chunk's 3.9 GB of activations (BENCHMARKS.md, run 8). Seeing that nothing is padded reads the padding mask: one
-    host sync a forward of several tokens, none at a decode step. While compiling, always the mask."""
-    if (allow_is_causal_skip and q_length > 1 and mask_function is causal_mask_function and local_size is None
-            and kv_offset == 0 and not torch.compiler.is_compiling()
+    host sync a forward of several tokens, none at a decode step. While compiling, always the mask.
+
+    A decode step that must have a mask (transformers builds one for every step of a compileable cache, before the
+    compiled forward, over the whole capacity) gets it from `_decode_mask`: what sdpa_mask builds for one query, in a
+    few launches instead of its dozen and the Python between them (BENCHMARKS.md, 2026-12-04)."""
+    plain = mask_function is causal_mask_function and local_size is None and kv_offset == 0
+    if (plain and allow_is_causal_skip and q_length > 1 and not torch.compiler.is_compiling()
             and (attention_mask is None or bool(attention_mask.all()))):
         return None
+    if (plain and not allow_is_causal_skip and q_length == 1 and attention_mask is not None
+            and attention_mask.dim() == 2 and attention_mask.shape[0] == batch_size
+            and attention_mask.shape[-1] <= kv_length):
+        return _decode_mask(attention_mask, kv_length, q_offset)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)

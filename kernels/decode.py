@@ -327,7 +327,7 @@ def _attn_fwd(
     CAUSAL_BODY: tl.constexpr, K_PLANES: tl.constexpr, V_PLANES: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_TOKG: tl.constexpr, K_CHG: tl.constexpr, K_SYM: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
-    MASK_ROW: tl.constexpr = False, STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
+    MASK_ROW: tl.constexpr = False, MASK_AHEAD: tl.constexpr = True, STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
     K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
@@ -429,6 +429,13 @@ def _attn_fwd(
                                         K_PLANES)
         va0, va1, va2, va3, vzr = _side(vsc, vz, first, svsc_t, svsc_c, BLOCK_N, D, V_FMT, V_BITS, 1, V_CHG, V_SYM,
                                         V_PLANES)
+        # A decode step's mask row, one byte a token, is loaded a tile ahead too (MASK_AHEAD): the pipeliner does not
+        # stage it (its stride is not specialized), and loaded in the tile that uses it, its latency stalled every tile
+        mask_row = MASK + b * sm_b + n_sink * sm_s
+        allowed_nx = tl.zeros((BLOCK_N,), tl.uint8)
+        if HAS_MASK and MASK_ROW and MASK_AHEAD:
+            allowed_nx = tl.load(mask_row + (first * BLOCK_N + n) * sm_s, mask=n < tl.where(lo < hi, BLOCK_N, 0),
+                                 other=0)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n  # packed token indices (BLOCK_N,)
             k0, k1, k2, k3, kz_t = ka0, ka1, ka2, ka3, kzr
@@ -438,6 +445,9 @@ def _attn_fwd(
                                             K_SYM, K_PLANES)
             va0, va1, va2, va3, vzr = _side(vsc, vz, nxt, svsc_t, svsc_c, BLOCK_N, D, V_FMT, V_BITS, 1, V_CHG,
                                             V_SYM, V_PLANES)
+            allowed = allowed_nx
+            if HAS_MASK and MASK_ROW and MASK_AHEAD:
+                allowed_nx = tl.load(mask_row + (nxt * BLOCK_N + n) * sm_s)
             # ---- scores (BLOCK_M, BLOCK_N)
             if K_FMT != 3:
                 c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
@@ -472,7 +482,8 @@ def _attn_fwd(
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK and MASK_ROW:
                 # one query position (decode): one row of the mask serves every query head
-                allowed = tl.load(MASK + b * sm_b + (n_sink + tok) * sm_s)
+                if not MASK_AHEAD:
+                    allowed = tl.load(mask_row + tok * sm_s)
                 s = tl.where(allowed[None, :] != 0, s, float("-inf"))
             elif HAS_MASK:
                 kpos = n_sink + tok

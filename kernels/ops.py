@@ -36,6 +36,8 @@ TUNING = {
     # slots written by a packed compare), where the format's values fit fp16 (`NUQFormat.fp16`)
     "nuq_fp16": os.environ.get("HF_KVCACHE_NUQ_FP16", "1") == "1",
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
+    # a decode step's mask row loaded one tile ahead in the body loops (`decode._attn_fwd`, `turbo._turbo_attn`)
+    "mask_ahead": os.environ.get("HF_KVCACHE_MASK_AHEAD", "1") == "1",
     # fp16 products for bf16 models where every code converts to fp16 exactly (`_product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
     # TurboQuant's kernel (`turbo.py`): its codebook lookup, "registers" (PTX, fp16 products) or "load"
@@ -311,8 +313,8 @@ def decode_attention(
     ]
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=decode.tl.float16 if pdt != query.dtype else dt,
-        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
-        CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
+        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, MASK_AHEAD=TUNING["mask_ahead"],
+        HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
         **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
@@ -709,8 +711,8 @@ def turbo_attention(
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_N=16, DT=dt,
         PDT=turbo.tl.float16 if pdt == torch.float16 else dt,
-        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, HAS_SOFTCAP=softcap is not None,
-        CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1, LOOKUP=lookup,
+        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, MASK_AHEAD=TUNING["mask_ahead"],
+        HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1, LOOKUP=lookup,
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2], **ring,

@@ -149,6 +149,7 @@ def _turbo_attn(
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     DT: tl.constexpr, PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
+    MASK_AHEAD: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, CAUSAL_BODY: tl.constexpr, BODY: tl.constexpr, LOOKUP: tl.constexpr,
     K_TWO: tl.constexpr, K_WA: tl.constexpr, K_BA: tl.constexpr, K_BB: tl.constexpr,
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
@@ -230,6 +231,11 @@ def _turbo_attn(
         first = tl.where(lo < hi, lo, 0) * BLOCK_N + n
         nka, nkb, nva, nvb = _lengths(kna, knb, vna, vnb, first, first < n_body, skna_t, sknb_t, svna_t, svnb_t,
                                       K_TWO, V_TWO)
+        # a decode step's mask row a tile ahead as well (`decode._attn_fwd`, MASK_AHEAD)
+        mask_row = MASK + b * sm_b + n_sink * sm_s
+        allowed_nx = tl.zeros((BLOCK_N,), tl.uint8)
+        if HAS_MASK and MASK_ROW and MASK_AHEAD:
+            allowed_nx = tl.load(mask_row + first * sm_s, mask=first < tl.where(lo < hi, n_body, 0), other=0)
         for tile in range(lo, hi):
             tok = tile * BLOCK_N + n
             ok = tok < n_body
@@ -237,6 +243,9 @@ def _turbo_attn(
             nxt = tl.minimum(tile + 1, hi - 1) * BLOCK_N + n
             nka, nkb, nva, nvb = _lengths(kna, knb, vna, vnb, nxt, nxt < n_body, skna_t, sknb_t, svna_t, svnb_t,
                                           K_TWO, V_TWO)
+            allowed = allowed_nx
+            if HAS_MASK and MASK_ROW and MASK_AHEAD:
+                allowed_nx = tl.load(mask_row + nxt * sm_s, mask=nxt < n_body, other=0)
             # ---- scores: per part, the bare centroids' products times the part's lengths
             kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
             s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
@@ -248,7 +257,8 @@ def _turbo_attn(
             kpos = n_sink + tok
             s = tl.where(ok[None, :], s, float("-inf"))
             if HAS_MASK and MASK_ROW:
-                allowed = tl.load(MASK + b * sm_b + kpos * sm_s, mask=ok, other=0)
+                if not MASK_AHEAD:
+                    allowed = tl.load(mask_row + tok * sm_s, mask=ok, other=0)
                 s = tl.where(allowed[None, :] != 0, s, float("-inf"))
             elif HAS_MASK:
                 allowed = tl.load(MASK + b * sm_b + t[:, None] * sm_t + kpos[None, :] * sm_s,

@@ -126,6 +126,29 @@ def test_unpadded_chunks_build_no_mask_and_attend_as_with_one(spec, monkeypatch)
     assert torch.equal(logits[False], logits[True])
 
 
+@pytest.mark.smoke
+def test_a_decode_mask_is_sdpa_masks_without_calling_it(monkeypatch):
+    """The mask of one query that transformers has built for every step of a compileable cache (allow_is_causal_skip
+    off): the same booleans as sdpa_mask's, padded rows, a position given as a device tensor and columns past the 2D
+    mask included, without calling sdpa_mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    from hf_kvcache import attention
+
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[hf_kvcache.ATTENTION_NAME]
+    padded = torch.ones(3, 21, dtype=torch.long)
+    padded[1, :4] = 0
+    padded[2, 7] = 0  # a hole, not only left padding
+    cases = [(padded, 20, 40), (padded.bool(), torch.tensor(20), 21), (padded, torch.tensor(17), 64)]
+    wants = [sdpa_mask(batch_size=3, q_length=1, kv_length=k, q_offset=q, attention_mask=m, allow_is_causal_skip=False)
+             for m, q, k in cases]
+    monkeypatch.setattr(attention, "sdpa_mask", lambda *a, **k: pytest.fail("sdpa_mask was called"))
+    for (m, q, k), want in zip(cases, wants):
+        got = fn(batch_size=3, q_length=1, kv_length=k, q_offset=q, attention_mask=m, allow_is_causal_skip=False)
+        assert got.dtype == torch.bool and got.shape == want.shape == (3, 1, 1, k)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["int8", "int4-g32"])
 def test_default_model_fused_follows_dense(spec, default_model, default_model_fused):

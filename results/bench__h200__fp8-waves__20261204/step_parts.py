@@ -100,6 +100,7 @@ def parts(T):
     return {k: statistics.median(v) * 1e6 for k, v in rows.items()}
 
 
+@torch.no_grad()
 def dispatch_profile(last, calls=30):
     """The compiled forward alone on the last step's inputs (the cache takes `calls` more tokens into its spare
     rows): host us per call, synchronized before each, and cProfile's top functions."""

@@ -131,6 +131,22 @@ def test_chunk_of_queries_with_padding_mask(spec, kwargs):
     _compare(spec, kwargs, steps=steps, mask=mask)
 
 
+def decode_padding_mask(s: int) -> torch.Tensor:
+    """A decode step's mask `(2, 1, 1, s)`: row 0 left-padded, row 1 with holes in three different 64-token tiles (a
+    mask row read for the wrong tile shows; the kernels load it a tile ahead)."""
+    mask = torch.ones(2, 1, 1, s, dtype=torch.bool)
+    mask[0, ..., :5] = False
+    mask[1, ..., [9, 70, 130, 131]] = False
+    return mask
+
+
+@pytest.mark.parametrize("spec,kwargs", [SPECS[0], SPECS[9], SPECS[3], ("int4-g64", {}), SPECS[6]],
+                         ids=["fp8-e4m3", "int8-sinks-window", "int4-g32", "int4-g64-planes", "kivi-2"])
+def test_decode_step_with_a_padding_mask(spec, kwargs):
+    """One query over 200 stored tokens (several body tiles a split) with a boolean mask."""
+    _compare(spec, kwargs, steps=(200, 1), mask=decode_padding_mask(201))
+
+
 @pytest.mark.parametrize("spec,kwargs", SPECS[:7], ids=IDS[:7])
 def test_chunk_of_queries_without_a_mask_is_causal(spec, kwargs):
     """q_len > 1 over a stored past and no mask: what the `hf_kvcache` mask function gives a prefill chunk without

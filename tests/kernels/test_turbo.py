@@ -13,7 +13,7 @@ from hf_kvcache import kernels
 from hf_kvcache.kernels import ops
 from hf_kvcache.kernels.layout import CodebookPart
 from hf_kvcache.methods.turboquant import lloyd_max_codebook, pack_codes, signed_order, unpack_codes
-from tests.kernels.test_decode import DEVICE, _compare, _filled_layer
+from tests.kernels.test_decode import DEVICE, _compare, _filled_layer, decode_padding_mask
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and not kernels.interpreting(), reason="needs CUDA or TRITON_INTERPRET=1"
@@ -42,6 +42,10 @@ def test_chunk_of_queries_with_padding_mask():
     mask = torch.ones(2, 1, 9, s, dtype=torch.bool).tril(diagonal=s - 9)
     mask[0, :, :, :13] = False
     _compare("turboquant-3", {"sink_tokens": 1}, steps=steps, mask=mask)
+
+
+def test_decode_step_with_a_padding_mask():
+    _compare("turboquant-3", {"sink_tokens": 1}, steps=(200, 1), mask=decode_padding_mask(201))
 
 
 def test_bfloat16_mqa_and_softcap():
