@@ -1,2 +1,0 @@
-# Run 5: after the test's fix, the pack test and generation through both kernels (`run5.log`: 12 passed).
-export PYTHONPATH=.; python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1; timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_pack.py tests/kernels/test_integration.py -k "turboquant and not default" -W ignore 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 | head -20
