@@ -1,7 +1,14 @@
-"""The `hf_kvcache` attention and mask functions, registered in transformers on import.
+"""The `hf_kvcache` attention and mask functions, registered in transformers on import, and the routing that lets a
+model loaded with its own attention read a packed cache through them.
 
-With `attn_implementation="hf_kvcache"`, a `QuantizedKVCache` returns `KVHandle`s from `update()` and this
-attention reads the packed cache itself:
+A `QuantizedKVCache` returns `KVHandle`s from `update()` under `attn_implementation="hf_kvcache"`, and on CUDA under
+the model's own attention (sdpa, eager, flash: `cache.DEFAULT_ATTENTIONS`) too. transformers' models look their
+attention function up through `AttentionInterface.get_interface` at every forward; on import that lookup is wrapped
+(`install_routing`) so that the function it returns hands a call whose keys are a `KVHandle` to this attention, the
+model's mask first read into this attention's form (`_routed_mask`), and calls every other argument exactly as
+before: any other cache, or none, goes to the model's own function untouched.
+
+This attention reads the packed cache itself:
 - on CUDA (`hf_kvcache.kernels` backend "auto" or "triton"), the fused Triton kernels read codes, scales, sink,
   window and the exact new tokens in one pass, every length from the device (`hf_kvcache.kernels.ops`); a decode
   step replays the layer's CUDA graph of its store and attention (`QuantizedKVLayer.replay`); a step with nothing
@@ -30,10 +37,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from . import kernels
-from .cache import KVHandle
+from . import _compat, kernels, prefill
+from .cache import ATTENTION_NAME, KVHandle
 
-ATTENTION_NAME = "hf_kvcache"
 REFERENCE_CHUNK_TOKENS = 256
 
 
@@ -179,6 +185,10 @@ def fused_attention(
     if _attends_to_itself(layer, query, key, softcap, s_aux):
         return _prefill_attention(query, key, value, attention_mask, scaling)
     chunk = query.shape[2] > 1
+    if (chunk and attention_mask is None and not layer.quantize_before_attention and softcap is None and s_aux is None
+            and prefill.use_workspace(query, keys, key.new.shape[1])):
+        # many query tokens over a packed history: dequantized once into a workspace, read by flash attention
+        return prefill.prefill_attention(query, layer, keys, values, key.new, value.new, scaling)
     if chunk and getattr(layer, "_chunk_kernel_failed", False):
         return None
     try:
@@ -292,6 +302,92 @@ def causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
 
 
 def register() -> None:
-    """Register the `hf_kvcache` attention and its mask function in transformers (idempotent)."""
+    """Register the `hf_kvcache` attention and its mask function in transformers, and route the model's own
+    attention's calls over a packed cache to it (`install_routing`). Idempotent."""
     AttentionInterface.register(ATTENTION_NAME, hf_kvcache_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, causal_mask)
+    install_routing()
+
+
+# ------------------------------------------------------------------ the model's own attention over a packed cache
+
+_get_interface = AttentionInterface.get_interface  # transformers' own lookup
+
+
+def _routed_get_interface(self, attn_implementation, default):
+    return _reading_handles(_get_interface(self, attn_implementation, default))
+
+
+def install_routing() -> None:
+    """Wrap `AttentionInterface.get_interface` so that the attention function a model looks up (the model's own eager
+    function included, which transformers passes as the lookup's default) reads a `KVHandle` through
+    `hf_kvcache_attention`. Idempotent; `remove_routing` undoes it."""
+    AttentionInterface.get_interface = _routed_get_interface
+
+
+def remove_routing() -> None:
+    """transformers' own lookup back (the tests compare plain calls with and without the routing). A packed cache on
+    CUDA must then be read with `cache.read = "dense"`, or under `attn_implementation="hf_kvcache"`."""
+    AttentionInterface.get_interface = _get_interface
+
+
+def _reading_handles(attention):
+    """`attention` (a transformers attention function) with calls whose keys are a `KVHandle` sent to this attention.
+    A new closure per lookup rather than a table of them: the lookup runs inside compiled forwards too, and a closure
+    is what the compiler traces without a guard on a table."""
+    if attention is hf_kvcache_attention:
+        return attention
+
+    def read(module, query, key, value, attention_mask, *args, **kwargs):
+        if isinstance(key, KVHandle):
+            mask = _routed_mask(module, query, key, attention_mask, kwargs)
+            return hf_kvcache_attention(module, query, key, value, mask, *args, **kwargs)
+        return attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return read
+
+
+def _routed_mask(module, query: torch.Tensor, key: KVHandle, attention_mask, kwargs: dict) -> torch.Tensor | None:
+    """The mask that the model's own mask function built, in this attention's form: boolean `(B or 1, 1, Tq, S)`
+    (True = attend) over the S tokens the layer holds, or None for plain causal by position (bottom-right aligned).
+
+    - sdpa: booleans already, or None (one query token, or as many as the layer holds: plain causal either way);
+    - eager: the same booleans as additive floats, 0 where attended;
+    - flash: the 2D padding mask `(B, S)` or None, and the window in `kwargs["sliding_window"]` (a key more than
+      `sliding_window - 1` positions behind its query is not attended).
+    A chunk of several query tokens whose mask is plain causal (no padding) gets None, which reads the history without
+    a mask (`fused_attention`): that costs one pass over the mask and one host read, before a chunk's attention."""
+    implementation = _compat.attn_implementation(module.config) or ""
+    tq = query.shape[2]
+    if implementation.startswith("flash_attention"):
+        window = kwargs.get("sliding_window")
+        if attention_mask is None and not window:
+            return None
+        s = key.shape[2]
+        keep = None if attention_mask is None else attention_mask[:, -s:].bool()[:, None, None, :]
+        kpos = torch.arange(s, device=query.device)
+        qpos = (s - tq + torch.arange(tq, device=query.device))[:, None]
+        allowed = kpos <= qpos
+        if window:
+            allowed = allowed & (kpos > qpos - window)
+        mask = allowed[None, None] if keep is None else keep & allowed
+    elif attention_mask is None:
+        return None
+    elif attention_mask.dtype != torch.bool:
+        mask = attention_mask == 0
+    else:
+        mask = attention_mask
+    if tq > 1 and not torch.compiler.is_compiling() and _plain_causal(mask, tq):
+        return None
+    return mask
+
+
+def _plain_causal(mask: torch.Tensor, tq: int) -> bool:
+    """Whether boolean `mask (B, 1, Tq, S)` is exactly bottom-right causal for every row: no key past a query's own
+    position (the last Tq columns' upper triangle), and as many attended pairs as causal has (so nothing padded)."""
+    s = mask.shape[-1]
+    if s < tq:
+        return False
+    per_row = tq * (s - tq) + tq * (tq + 1) // 2
+    future = mask[..., s - tq:].triu(1).any()
+    return bool(~future & (mask.sum() == per_row * mask.shape[0] * mask.shape[1]))

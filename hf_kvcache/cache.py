@@ -15,9 +15,10 @@ Without `max_cache_len` the capacity grows by itself when a write would not fit:
 tokens) at a decode step, to what a longer write needs plus `_MIN_GROW`; each packed row is copied once per growth,
 and a growth that runs out of memory raises before anything held moves.
 
-Two read paths (see DESIGN.md): dense (`update()` returns K/V dequantized to the model dtype, what eager/sdpa
-attention consume) and fused (`update()` returns a `KVHandle` that the registered `hf_kvcache` attention reads
-block by block, never building the full dense K/V).
+Two read paths (see DESIGN.md): fused (`update()` returns a `KVHandle`, which the attention reads from the packed
+storage, never building the full dense K/V: on CUDA under the model's own attention too, whose calls
+`hf_kvcache.attention` routes) and dense (`update()` returns K/V dequantized to the model dtype, what the model's
+own attention consumes: CPU under its default attention, or `cache.read = "dense"`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ _MIN_GROW = 64
 # back a few tokens; it lets tokens go in bulk, at least this many at a time (amortized: the kept ones move once per
 # margin).
 _SLIDING_CROP_MARGIN = 64
+
+# The name the `hf_kvcache` attention and mask functions are registered under (`hf_kvcache.attention`).
+ATTENTION_NAME = "hf_kvcache"
+# The model's own attention implementations whose calls `hf_kvcache.attention` routes to the fused read when they get a
+# `KVHandle` (and whose masks it knows how to read): on CUDA a packed cache reads itself through the kernels under
+# any of them, with no attention argument (flex attention's block masks and paged attention keep the dense path).
+DEFAULT_ATTENTIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+# `QuantizedKVCache.read`: "auto" (the fused read where it runs) or "dense" (dequantized K/V to the model's attention)
+READS = ("auto", "dense")
 
 
 def _grown(needed: int, written: int = 1) -> int:
@@ -227,7 +237,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         }
         self.graph_pools = graph_pools if graph_pools is not None else graphs.GraphPools()
         self.cuda_graphs = True  # eager decode steps on CUDA replay a CUDA graph (the cache turns it off to offload)
-        self.fused = False  # set by the cache from the model's attn_implementation
+        self.fused = False  # set by the cache at each update (`QuantizedKVCache._reads_fused`)
         self.quantize_before_attention = False
         self._offloaded = False  # every place's storage is in CPU memory (`offload`), until `prefetch`
         self._version = 0  # bumped whenever what a captured step reads moves (storage, codec state, padding)
@@ -844,6 +854,7 @@ class QuantizedKVCache(Cache):
                 layers.append(QuantizedKVLayer(policy_factory(idx), spec.sliding_window, self._max_cache_len,
                                                self.graph_pools))
         super().__init__(layers=layers)
+        self.read = "auto"
         self.quantize_before_attention = False
         self.offloading = False  # `enable_offloading`
         self._pending_offload: int | None = None  # a fused layer whose offload waits for its attention to be queued
@@ -870,6 +881,32 @@ class QuantizedKVCache(Cache):
         return isinstance(layer, QuantizedKVLayer) and not (self.only_non_sliding and layer.is_sliding)
 
     @property
+    def read(self) -> str:
+        """How attention reads this cache. "auto" (default): on CUDA the fused kernels read the packed storage
+        directly, whatever attention the model was loaded with (sdpa, eager, flash: `hf_kvcache.attention` routes their
+        calls), and `attn_implementation="hf_kvcache"` reads it on every device (the PyTorch reference on CPU); on CPU
+        under the model's own attention, `update()` returns K/V dequantized to the model dtype. "dense": always that
+        dequantized K/V, to the model's own attention (the reference behaviour, a full-length dense copy at every
+        step)."""
+        return self._read
+
+    @read.setter
+    def read(self, value: str) -> None:
+        if value not in READS:
+            raise ValueError(f"read={value!r}: choose one of {READS} (\"auto\": the fused kernels where they run, "
+                             "\"dense\": dequantized K/V to the model's own attention)")
+        self._read = value
+
+    def _reads_fused(self, device: torch.device) -> bool:
+        """Whether `update()` returns `KVHandle`s, which the attention reads as packed (see `read`)."""
+        if self._read != "auto":
+            return False
+        implementation = _compat.attn_implementation(self.config)
+        if implementation == ATTENTION_NAME:
+            return True
+        return implementation in DEFAULT_ATTENTIONS and kernels.use_kernels(device)
+
+    @property
     def quantize_before_attention(self) -> bool:
         """Paper protocol: when True, every token attends to quantized K/V, the new ones included."""
         return self._quantize_before_attention
@@ -884,7 +921,7 @@ class QuantizedKVCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, QuantizedKVLayer):
-            layer.fused = _compat.attn_implementation(self.config) == "hf_kvcache"
+            layer.fused = self._reads_fused(key_states.device)
         if not (self.offloading and key_states.device.type == "cuda"):
             return layer.update(key_states, value_states, *args, **kwargs)
         # transformers' `Cache.update` offloading (written out here: its helpers differ between versions), with one

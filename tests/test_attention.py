@@ -186,3 +186,97 @@ def test_default_model_fused_follows_dense(spec, default_model, default_model_fu
     # The paths differ by far less than what quantization itself changes.
     path, quantization = (fused - dense).abs().mean(), (dense - exact).abs().mean()
     assert path < 0.5 * quantization, f"fused vs dense {path:.4f}, quantized vs exact {quantization:.4f}"
+
+
+# ------------------------------------------------------------------ the model's own attention over a packed cache
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_plain_calls_are_untouched_by_the_routing(implementation):
+    """What the routing of the model's own attention (`attention.install_routing`) changes for anything that is not a
+    packed cache: nothing, bit for bit (a DynamicCache fed in steps, a padded batch, and a call without a cache)."""
+    from hf_kvcache import attention
+
+    model = tiny_model("llama", attn_implementation=implementation)
+    ids, mask = left_padded_batch(model, lengths=(sum(SIZES), 12))
+    got = {}
+    for routed in (True, False):
+        if not routed:
+            attention.remove_routing()
+        try:
+            with torch.no_grad():
+                got[routed] = (_teacher_forced(model, ids, mask, DynamicCache(config=model.config)),
+                               model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+        finally:
+            attention.install_routing()
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_the_models_own_attention_reads_a_packed_cache(implementation, monkeypatch):
+    """A model loaded with its own attention reads a packed cache as `attn_implementation="hf_kvcache"` does: the
+    same handles, its mask read into the same booleans (eager's additive floats included), so the same logits, and
+    no dense K/V built. On CUDA that read is the kernels'; here (no kernels on CPU) the cache is told to hand out
+    handles anyway, which the routed attention reads by the reference."""
+    from hf_kvcache.cache import QuantizedKVCache
+
+    monkeypatch.setattr(QuantizedKVCache, "_reads_fused", lambda self, device: self.read == "auto")
+    own, fused = tiny_model("llama", attn_implementation=implementation), tiny_model("llama", "hf_kvcache")
+    ids, mask = left_padded_batch(own, lengths=(sum(SIZES), 12))
+    want = _teacher_forced(fused, ids, mask, make_cache("int4-g32:sink_tokens=2,residual_length=8", fused))
+    monkeypatch.setattr(StreamStorage, "dense", lambda *a, **k: pytest.fail("dense K/V built on the fused path"))
+    cache = make_cache("int4-g32:sink_tokens=2,residual_length=8", own)
+    got = _teacher_forced(own, ids, mask, cache)
+    assert all(layer.fused for layer in cache.layers)
+    valid = mask.bool()[:, : got.shape[1]]
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.smoke
+def test_read_dense_asks_for_the_dense_path():
+    """`cache.read = "dense"` hands the model's attention dequantized K/V, under any attention; other values are
+    refused with the choices."""
+    model = tiny_model("llama", attn_implementation="hf_kvcache")
+    cache = make_cache("int4-g32", model)
+    cache.read = "dense"
+    with torch.no_grad():
+        model(tiny_input_ids(model, batch=1, length=5), use_cache=True, **_compat.cache_kwargs(cache))
+    assert not any(layer.fused for layer in cache.layers)
+    with pytest.raises(ValueError, match="dense"):
+        cache.read = "kernels"
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("tq,window", [(1, None), (5, None), (5, 6), (1, 6)])
+def test_a_flash_models_padding_mask_reads_as_sdpas(tq, window):
+    """Flash attention's mask is the 2D padding mask (or None) and its window a keyword: read into the booleans
+    sdpa's mask function builds for the same positions."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    from hf_kvcache import attention
+    from hf_kvcache.cache import KVHandle
+
+    s = 12
+    padded = torch.ones(2, s, dtype=torch.long)
+    padded[1, :3] = 0
+    module = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+
+    class Layer:
+        held_tokens = s
+
+    key = KVHandle(Layer(), "keys", torch.zeros(2, 1, tq, 4))
+    query = torch.zeros(2, 2, tq, 4)
+    kwargs = {"sliding_window": window} if window else {}
+    function = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    for mask in (padded, None):
+        got = attention._routed_mask(module, query, key, mask, kwargs)
+        want = sdpa_mask(batch_size=2, q_length=tq, kv_length=s, q_offset=s - tq, mask_function=function,
+                         attention_mask=mask, allow_is_causal_skip=False)
+        if got is None:  # plain causal: only where nothing is padded and there is no window
+            assert mask is None and window is None
+            continue
+        assert torch.equal(got.expand_as(want), want)

@@ -32,3 +32,22 @@ def test_generate_on_cuda_bf16(spec, easy, hard, name, attn):
                 for stream in (layer.key_stream, layer.value_stream):
                     dense = stream.dense(torch.float32, layer.held_tokens)
                     assert dense.is_cuda and torch.isfinite(dense).all()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("spec", ["int4-g32", "turboquant-4", "kivi-2", "fp8-e4m3"])
+def test_the_models_own_attention_reads_through_the_kernels(spec, attn):
+    """A model loaded with its own attention and no attention argument: `generate` reads the packed cache through the
+    kernels (handles, each layer's decode step replayed from its CUDA graph), the tokens those of
+    `attn_implementation="hf_kvcache"`, a left-padded batch included."""
+    own = tiny_model("llama", attn_implementation=attn).to("cuda", torch.bfloat16)
+    ref = tiny_model("llama", attn_implementation="hf_kvcache").to("cuda", torch.bfloat16)
+    ids, mask = left_padded_batch(own, lengths=(40, 11))
+    outs = []
+    for model in (own, ref):
+        cache = make_cache(spec, model)
+        outs.append(model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=30, do_sample=False,
+                                   **_compat.cache_kwargs(cache)))
+        layers = [layer for layer in cache.layers if hasattr(layer, "fused")]
+        assert all(layer.fused for layer in layers) and all(layer._graphs for layer in layers)
+    assert torch.equal(outs[0], outs[1])
