@@ -283,28 +283,13 @@ def decode_attention(
     dt, prec = _compute_dtype(query)
     pdt = _product_dtype(query, keys, values)
 
-    def stream_args(st: StreamTensors, new: torch.Tensor) -> list:
-        sink = _place(st.sink, dummy)
-        res = _place(st.residual, dummy)
-        newp = _place(new, dummy)
-        packed, f8 = _packed_args(st, dummy, d)
-        return [*sink, *packed, *res, *newp, *f8]
-
-    def fmt_args(st: StreamTensors, with_tokens: bool) -> list:
-        f = st.fmt
-        chg = f.channel_group or d
-        out = [_fmt_code(f.kind), f.bits]
-        if with_tokens:
-            out.append(f.token_group)
-        return out + [chg if f.kind == "uniform" else d, f.symmetric]
-
     out = torch.empty((b, tq, hq, d), device=query.device, dtype=query.dtype)
     if query.stride(3) != 1:
         query = query.contiguous()
     args = [
         query, query.stride(0), query.stride(1), query.stride(2),
-        *stream_args(keys, k_new),
-        *stream_args(values, v_new),
+        *_stream_args(keys, k_new, dummy, d),
+        *_stream_args(values, v_new, dummy, d),
         *m_args,
         part_acc, part_m, part_l, *_length_args(static, dummy),
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
@@ -317,8 +302,7 @@ def decode_attention(
         HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
-        **dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
-        **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False))),
+        **_fmt_meta(keys, values, d),
     )
     if static is not None:
         meta.update(STATIC=True, SINK_CAP=static.sink_tokens, K_RING=static.key_ring, V_RING=static.value_ring,
@@ -330,6 +314,27 @@ def decode_attention(
     decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out
+
+
+def _stream_args(st: StreamTensors, new: torch.Tensor, dummy: torch.Tensor, head_dim: int) -> list:
+    """One stream's places as `decode._attn_fwd` takes them: sink, packed fields, residual, new tokens, fp8 scale."""
+    packed, f8 = _packed_args(st, dummy, head_dim)
+    return [*_place(st.sink, dummy), *packed, *_place(st.residual, dummy), *_place(new, dummy), *f8]
+
+
+def _fmt_meta(keys: StreamTensors, values: StreamTensors, head_dim: int) -> dict:
+    """The two streams' formats as `decode._attn_fwd`'s constexprs (K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, V_...)."""
+
+    def fmt_args(st: StreamTensors, with_tokens: bool) -> list:
+        f = st.fmt
+        chg = f.channel_group or head_dim
+        out = [_fmt_code(f.kind), f.bits]
+        if with_tokens:
+            out.append(f.token_group)
+        return out + [chg if f.kind == "uniform" else head_dim, f.symmetric]
+
+    return {**dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
+            **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False)))}
 
 
 def static_decode_attention(
@@ -600,6 +605,23 @@ def _nuq_lookup(query: torch.Tensor) -> int:
     return lookups[name]
 
 
+def codebook_args(st: StreamTensors, n_body: int, dummy: torch.Tensor, dtype: torch.dtype) -> tuple[list, list]:
+    """A codebook stream's parts as `turbo._turbo_attn` takes them, two (a single part repeats): per part codes +
+    strides, norm + strides, the codebook in `dtype`; and each part's `(width, bits, PTX of the register lookup)`."""
+    args, meta = [], []
+    for part in st.fmt.parts + st.fmt.parts[-1:] * (2 - len(st.fmt.parts)):
+        table, asm = _codebook_table(part, dummy.device, dtype)
+        if n_body:
+            codes, norm = st.fields[part.codes], st.fields[part.norm]
+            if codes.stride(3) != 1:
+                raise ValueError("codebook codes must be contiguous along the channels")
+            args += [codes, *codes.stride()[:3], norm, *norm.stride()[:3], table]
+        else:
+            args += [dummy, 0, 0, part.width * part.bits // 8, dummy, 0, 0, 1, table]
+        meta.append((part.width, part.bits, asm))
+    return args, meta
+
+
 def _into_frame(query: torch.Tensor, frame: tuple[torch.Tensor, torch.Tensor | None], hkv: int) -> torch.Tensor:
     """`query (B, Hq, Tq, D)` -> `q F = q[..., order] R` float32, the same shape (the order is per kv-head)."""
     b, hq, tq, d = query.shape
@@ -679,23 +701,8 @@ def turbo_attention(
     n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles)
     part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
 
-    def stream_args(st: StreamTensors) -> tuple[list, list]:
-        """Per part (two; a single part repeats): codes + strides, norm + strides, codebook; and each part's meta."""
-        args, meta = [], []
-        for part in st.fmt.parts + st.fmt.parts[-1:] * (2 - len(st.fmt.parts)):
-            table, asm = _codebook_table(part, device, pdt)
-            if n_body:
-                codes, norm = st.fields[part.codes], st.fields[part.norm]
-                if codes.stride(3) != 1:
-                    raise ValueError("codebook codes must be contiguous along the channels")
-                args += [codes, *codes.stride()[:3], norm, *norm.stride()[:3], table]
-            else:
-                args += [k_new, 0, 0, part.width * part.bits // 8, k_new, 0, 0, 1, table]
-            meta.append((part.width, part.bits, asm))
-        return args, meta
-
-    k_args, k_meta = stream_args(keys)
-    v_args, v_meta = stream_args(values)
+    k_args, k_meta = codebook_args(keys, n_body, k_new, pdt)
+    v_args, v_meta = codebook_args(values, n_body, k_new, pdt)
     if query.stride(3) != 1:
         query = query.contiguous()
     qf = _into_frame(query, kf.frame(device), hkv)

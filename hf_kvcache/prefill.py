@@ -1,0 +1,225 @@
+"""Prefill over a packed history: a chunk of Tq query tokens (a chunked prefill's later chunks, a chat's next turn)
+attends to every token the layer held before it and, causally, to its own exact tokens.
+
+The decode kernel reads such a chunk too, but dequantizes the whole history again for every tile of 64 query rows;
+here the history is dequantized once per chunk, into a workspace of at most `PREFILL["workspace_bytes"]` (pieces
+of the history in turn), and read by flash attention on tensor cores:
+
+    out = merge_i (softmax(q K_i^T * scale) V_i, lse_i)     over the history's pieces i and the chunk itself
+
+Each piece attends without a mask (every history token precedes every query token), with the query heads of a
+kv-head folded into its rows (`(B, Hkv, G*Tq, D)`: GQA without repeating K/V); the chunk attends to itself causally;
+the parts combine by their log-sum-exps. TurboQuant's packed tokens are dequantized in the codec's frame F (its
+attention runs there with the query rotated in, `q F`, and its output rotated back, `o F^T`), its exact tokens in the
+model's. KVQuant's history is dequantized by its reference codecs (`QuantizedKVLayer.iter_kv_chunks`).
+
+`hf_kvcache.attention.fused_attention` takes this path on CUDA for a chunk of more than `PREFILL["min_rows"]` query
+rows (Tq times the query heads per kv-head) whose mask is plain causal; fewer rows (assisted decoding's few tokens)
+stay with the decode kernel, which reads the packed bytes once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .kernels import backend
+from .kernels.layout import CodebookFormat, NUQFormat, StreamTensors
+
+PREFILL = {
+    # query rows (Tq x query heads per kv-head) above which a chunk reads its history from a workspace
+    "min_rows": int(os.environ.get("HF_KVCACHE_PREFILL_MIN_ROWS", "32")),
+    # the workspace's bytes (keys and values of one piece of the history, in the model dtype)
+    "workspace_bytes": int(os.environ.get("HF_KVCACHE_PREFILL_WORKSPACE_MB", "1024")) << 20,
+}
+_BLOCK_T = 32  # tokens a gather program writes
+_MIN_PIECE = 1024  # tokens: pieces shorter than this leave flash attention short of work
+
+
+def use_workspace(query: torch.Tensor, keys: StreamTensors, hkv: int) -> bool:
+    """Whether a chunk of `query (B, Hq, Tq, D)` reads its history through a workspace."""
+    b, hq, tq, d = query.shape
+    return tq > 1 and tq * (hq // hkv) > PREFILL["min_rows"] and query.dtype in (torch.float16, torch.bfloat16,
+                                                                                   torch.float32)
+
+
+def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor,
+                      v_new: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`query (B, Hq, Tq, D)` (keys' frame: `layer.rotate_query` applied) over the history `layer` held before this
+    chunk (`keys`/`values`: its kernel views) and the chunk's own exact `k_new`/`v_new (B, Hkv, Tq, D)`, causal and
+    unmasked -> `(B, Tq, Hq, D)` in the query dtype."""
+    b, hq, tq, d = query.shape
+    hkv = k_new.shape[1]
+    g = hq // hkv
+    static = layer.static_layout()
+    held = layer.held_tokens
+    stop = held - tq  # history tokens
+    folded = query.reshape(b, hkv, g * tq, d)  # rows (g, t) of each kv-head: a view when the query is contiguous
+    parts = []
+    if isinstance(keys.fmt, CodebookFormat):
+        _, n_body = _codebook_places(held, stop, static)
+        frame_q = _into_frame(query, keys.fmt.frame(query.device), hkv).to(query.dtype).reshape(b, hkv, g * tq, d)
+        vframe = values.fmt.frame(query.device)
+        for start, n, wk, wv in _pieces(query, hkv, n_body):
+            _fill_codebook(keys, values, k_new, static, wk, wv, start, n, exact=False)
+            o, lse = _attend(frame_q, wk, wv, False, scaling)
+            parts.append((_out_of_frame(o, vframe), lse))
+        n_exact = stop - n_body
+        if n_exact:
+            wk, wv = _workspace(query, hkv, n_exact)
+            _fill_codebook(keys, values, k_new, static, wk, wv, 0, n_exact, exact=True)
+            parts.append(_attend(folded, wk, wv, False, scaling))
+    elif isinstance(keys.fmt, NUQFormat):
+        pos = 0
+        for k, v in layer.iter_kv_chunks(k_new, v_new, chunk_tokens=_piece_tokens(query, hkv)):
+            if pos >= stop:
+                break
+            parts.append(_attend(folded, k.contiguous(), v.contiguous(), False, scaling))
+            pos += k.shape[2]
+    else:
+        for start, n, wk, wv in _pieces(query, hkv, stop):
+            _fill_places(keys, values, k_new, static, wk, wv, start, n)
+            parts.append(_attend(folded, wk, wv, False, scaling))
+    parts = [(o.reshape(b, hq, tq, d), lse.reshape(b, hq, tq)) for o, lse in parts]
+    parts.append(_attend(query, k_new, v_new, True, scaling))  # the chunk itself, causal
+    return _merge(parts, query.dtype).transpose(1, 2)
+
+
+# ------------------------------------------------------------------ the workspace
+
+
+def _piece_tokens(query: torch.Tensor, hkv: int) -> int:
+    per_token = 2 * query.shape[0] * hkv * query.shape[-1] * query.element_size()
+    return max(_MIN_PIECE, PREFILL["workspace_bytes"] // per_token // 64 * 64)
+
+
+def _workspace(query: torch.Tensor, hkv: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (query.shape[0], hkv, n, query.shape[-1])
+    return (torch.empty(shape, device=query.device, dtype=query.dtype),
+            torch.empty(shape, device=query.device, dtype=query.dtype))
+
+
+def _pieces(query: torch.Tensor, hkv: int, n_tokens: int):
+    """`(start, n, wk, wv)` for consecutive pieces of `n_tokens` history tokens: one workspace, reused, whose first n
+    rows each piece fills."""
+    if n_tokens <= 0:
+        return
+    piece = min(_piece_tokens(query, hkv), n_tokens)
+    wk, wv = _workspace(query, hkv, piece)
+    for start in range(0, n_tokens, piece):
+        n = min(piece, n_tokens - start)
+        yield start, n, wk[:, :, :n], wv[:, :, :n]
+
+
+def _codebook_places(held: int, stop: int, static) -> tuple[int, int]:
+    """(sinks, packed body tokens) among the first `stop` of the `held` tokens: the host's twin of
+    `turbo._turbo_attn`'s STATIC counts (`decode._static_places`)."""
+    n_sink = min(held, static.sink_tokens)
+    after = held - n_sink
+    ring = static.key_ring
+    if ring == 0:
+        packed = after
+    elif static.key_window:
+        packed = max(after - ring, 0)
+    else:
+        packed = after // ring * ring
+    return n_sink, max(min(packed, stop - n_sink), 0)
+
+
+def _fill_places(keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor, static, wk: torch.Tensor,
+                 wv: torch.Tensor, start: int, n: int) -> None:
+    """History tokens `start .. start + n` of a `decode.py` format, dequantized into `wk`/`wv (B, Hkv, n, D)`."""
+    from .kernels import ops, workspace
+
+    b, hkv, _, d = k_new.shape
+    dt, _ = ops._compute_dtype(k_new)
+    if wk.stride() != wv.stride():
+        raise ValueError("the key and value workspaces must share a layout")
+    workspace._gather_places[(b * hkv, -(-n // _BLOCK_T))](
+        # (the new tokens are never read: the keys' tensor stands in for both streams')
+        *ops._stream_args(keys, k_new, k_new, d), *ops._stream_args(values, k_new, k_new, d),
+        wk, wv, *wk.stride()[:3], static.length, static.capacity, hkv, start, n, k_new.shape[2],
+        D=d, BLOCK_T=_BLOCK_T, DT=dt, **ops._fmt_meta(keys, values, d), SINK_CAP=static.sink_tokens,
+        K_RING=static.key_ring, V_RING=static.value_ring, K_WINDOW=static.key_window, V_WINDOW=static.value_window,
+    )
+
+
+def _fill_codebook(keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor, static, wk: torch.Tensor,
+                   wv: torch.Tensor, start: int, n: int, exact: bool) -> None:
+    """TurboQuant's packed body tokens `start .. start + n` in the frame, or (`exact`) its first n exact history
+    tokens in the model's frame, into `wk`/`wv (B, Hkv, n, D)`."""
+    from .kernels import ops, workspace
+
+    b, hkv, tq, d = k_new.shape
+    dt, _ = ops._compute_dtype(k_new)
+    k_args, k_meta = ops.codebook_args(keys, keys.n_packed, k_new, torch.float32)
+    v_args, v_meta = ops.codebook_args(values, values.n_packed, k_new, torch.float32)
+    workspace._gather_codebook[(b * hkv, -(-n // _BLOCK_T))](
+        *k_args, *v_args,
+        *ops._place(keys.sink, k_new), *ops._place(keys.residual, k_new), *ops._place(None, k_new),
+        *ops._place(values.sink, k_new), *ops._place(values.residual, k_new), *ops._place(None, k_new),
+        wk, wv, *wk.stride()[:3], static.length, static.capacity, hkv, start, n, tq,
+        D=d, BLOCK_T=_BLOCK_T, DT=dt, EXACT=exact,
+        K_TWO=len(keys.fmt.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
+        V_TWO=len(values.fmt.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
+        SINK_CAP=static.sink_tokens, RING=static.key_ring, WINDOW=static.key_window,
+    )
+
+
+def _into_frame(query: torch.Tensor, frame, hkv: int) -> torch.Tensor:
+    """`query (B, Hq, Tq, D)` -> `q F` float32 (`kernels.ops._into_frame`)."""
+    from .kernels import ops
+
+    return ops._into_frame(query, frame, hkv)
+
+
+def _out_of_frame(o: torch.Tensor, frame) -> torch.Tensor:
+    """`o (B, Hkv, rows, D)` in the values' frame -> `o F^T` in the model dtype: `z = o R^T`, then channel `order_j`
+    takes z_j."""
+    rot, order = frame
+    z = o.float() @ rot.T
+    if order is not None:
+        z = torch.empty_like(z).scatter_(3, order.long()[:, :, None, :].expand_as(z), z)
+    return z.to(o.dtype)
+
+
+# ------------------------------------------------------------------ attention with its log-sum-exp
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax(q k^T * scale) v` -> `(out (B, Hq, T, D) in q's dtype, lse (B, Hq, T) float32)`, natural log;
+    `causal`: T equals k's length and row t sees keys up to t. Hq may be a multiple of k's heads (GQA)."""
+    g = q.shape[1] // k.shape[1]
+    if q.is_cuda and not backend.interpreting():
+        if g > 1:
+            # only the chunk itself comes here with its query heads unfolded (a causal part cannot fold them): its K/V
+            # are the chunk's own tokens, a small copy beside the workspace
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+            return out, lse
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                           scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]
+    # CPU (the reference, and the interpreter's tests): plain float32 arithmetic
+    s = torch.einsum("bhgtd,bhsd->bhgts", q.float().unflatten(1, (k.shape[1], g)), k.float()) * scale
+    if causal:
+        t = q.shape[2]
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhgts,bhsd->bhgtd", torch.exp(s - lse[..., None]), v.float())
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Attention over the union of the parts' keys from each part's `(out (B, Hq, T, D), lse (B, Hq, T))`."""
+    if len(parts) == 1:
+        return parts[0][0].to(dtype)
+    lse = torch.stack([p[1] for p in parts])
+    w = torch.softmax(lse, 0)  # each part's share of the total weight
+    out = parts[0][0].float() * w[0, ..., None]
+    for i, (o, _) in enumerate(parts[1:], 1):
+        out.addcmul_(o.float(), w[i, ..., None])
+    return out.to(dtype)
