@@ -36,7 +36,9 @@ LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
 )
-KERNEL_SPECS = ("fp8-e4m3", "int8", "int4-g32", "int4-g128", "kivi-4", "int2-g32", "kivi-2", "kvquant-3")
+# the presets on the README's front, and INT2: each read at its own bytes' rate, against fp8-e4m3's (kernel part)
+KERNEL_SPECS = ("fp8-e4m3", "int8", "int4-g128", "int4-g32", "kivi-4", "kivi-2", "kvquant-4", "turboquant-4",
+                "turboquant-3.5", "turboquant-3", "turboquant-2.75", "turboquant-2.5", "int2-g32")
 
 
 @dataclass
@@ -44,7 +46,7 @@ class BenchConfig:
     parts: tuple[str, ...] = ("kernel", "e2e", "capacity")
     methods: tuple[str, ...] = KERNEL_SPECS
     batches: tuple[int, ...] = (1, 16, 64)
-    contexts: tuple[int, ...] = (4096, 32768, 131072)
+    contexts: tuple[int, ...] = (4096, 32768)
     e2e_batch: int = 16
     e2e_context: int = 32768
     e2e_layers: int = 8
@@ -59,6 +61,11 @@ class BenchConfig:
     multi_gpu_layers: int = 32
     decode_batches: tuple[int, ...] = (1, 16, 64)
     decode_methods: tuple[str, ...] = ("fp8-e4m3", "int8", "int4-g128", "int4-g32", "kivi-2")
+    # the attention the methods' rows of the e2e and decode parts run under: the model's own ("sdpa", as loaded:
+    # what a user gets without an attention argument) and/or "hf_kvcache"; the baselines always run sdpa
+    attentions: tuple[str, ...] = ("sdpa",)
+    prefill_batches: tuple[int, ...] = (1, 16)
+    prefill_turn: int = 2048  # the second turn's tokens over the prefilled history (prefill part)
     results: dict = field(default_factory=dict)
 
 
@@ -244,11 +251,23 @@ def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
                 rows.append(row)
                 log(_kernel_line(row, bw))
                 del cache, kh, vh
+            _share_of_fp8([r for r in rows if r["batch"] == b and r["context"] == s], log)
             del k, v, q
             gc.collect()
             torch.cuda.empty_cache()
     cfg.results["kernel"] = dict(copy_gbs=bw, rows=rows)
     return rows
+
+
+def _share_of_fp8(rows: list[dict], log) -> None:
+    """Each method's GB/s of its own bytes as a share of fp8-e4m3's at the same shape (`of_fp8`, None without an
+    fp8-e4m3 row): how near a format reads the rate its bytes allow."""
+    fp8 = next((r for r in rows if r["method"] == "fp8-e4m3"), None)
+    for r in rows:
+        r["of_fp8"] = r["gbs"] / fp8["gbs"] if fp8 is not None and r["method"] != "bf16 sdpa" else None
+    if fp8 is not None:
+        log("  GB/s of own bytes, share of fp8-e4m3's: " + ", ".join(
+            f"{r['method']} {r['of_fp8']:.0%}" for r in rows if r["of_fp8"] is not None))
 
 
 def sweep_part(cfg: BenchConfig, log=print) -> list[dict]:
@@ -326,7 +345,8 @@ def _set_attention(model, name: str) -> None:
             module.config._attn_implementation = name
 
 
-def _make_e2e_cache(name: str, model):
+def _make_e2e_cache(name: str, model, attention: str = "sdpa"):
+    """(cache, the attention its rows run under): our methods under `attention`, the baselines under sdpa."""
     from transformers import DynamicCache
 
     if name == "dynamic":
@@ -337,8 +357,8 @@ def _make_e2e_cache(name: str, model):
         nbits = int(name.split("-int")[1])
         return QuantizedCache(backend="quanto", config=model.config, nbits=nbits), "sdpa"
     if _needs_model(name):
-        return make_cache(name, model, **_calibration_kwargs(name, model)), "hf_kvcache"
-    return make_cache(name, model), "hf_kvcache"
+        return make_cache(name, model, **_calibration_kwargs(name, model)), attention
+    return make_cache(name, model), attention
 
 
 def _sync(device: torch.device) -> None:
@@ -359,7 +379,8 @@ class _StepClock:
         return scores
 
 
-def _generate_once(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None = None) -> dict:
+def _generate_once(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None = None,
+                   attention: str = "sdpa") -> dict:
     """One `model.generate` as a user calls it: a fresh cache built the plain way (eager) or with `max_cache_len`
     (compiled, transformers' own compile rule), the whole prompt prefilled by `generate` itself (in chunks of
     `chunk` tokens when given), `n` greedy tokens. Times from `_StepClock`; peak memory above what was allocated
@@ -372,7 +393,7 @@ def _generate_once(model, name: str, ids: torch.Tensor, n: int, compiled: bool, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    cache, attn = _decode_cache(name, model, ids.shape[1] + n, compiled)
+    cache, attn = _decode_cache(name, model, ids.shape[1] + n, compiled, attention)
     _set_attention(model, attn)
     clock = _StepClock(device)
     _sync(device)
@@ -391,7 +412,7 @@ def _generate_once(model, name: str, ids: torch.Tensor, n: int, compiled: bool, 
 
 
 def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: int | None,
-            chunk_all: bool = False) -> dict:
+            chunk_all: bool = False, attention: str = "sdpa") -> dict:
     """A row of the end-to-end table: two `_generate_once` calls, each with a fresh cache (the first pays what
     a first call pays in this process: Triton's and Inductor's compiles, CUDA graph capture), then, eager, one with
     the prompt prefilled in chunks of `chunk` tokens (its peak memory) and the host time of one layer step.
@@ -405,12 +426,14 @@ def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: 
     torch._dynamo.reset()
     if hasattr(model, "_compiled_call"):
         del model._compiled_call  # transformers keeps the compiled forward of the last cache type
-    first = _generate_once(model, name, ids, n, compiled, chunk=timed_chunk)
+    first = _generate_once(model, name, ids, n, compiled, chunk=timed_chunk, attention=attention)
     del first["cache"]
     graphs = counters["stats"]["unique_graphs"]
-    second = _generate_once(model, name, ids, n, compiled, chunk=timed_chunk)
+    second = _generate_once(model, name, ids, n, compiled, chunk=timed_chunk, attention=attention)
     recompiles = counters["stats"]["unique_graphs"] - graphs
-    row = dict(method=name, mode="compiled" if compiled else "eager", batch=ids.shape[0], context=ids.shape[1],
+    attention = _set_by(model)
+    row = dict(method=name, mode="compiled" if compiled else "eager", attention=attention, batch=ids.shape[0],
+               context=ids.shape[1],
                new_tokens=n, step_ms=second["step_ms"], tok_s=ids.shape[0] / second["step_ms"] * 1e3,
                prefill_s=second["prefill_s"], first_call_s=first["call_s"], second_call_s=second["call_s"],
                recompiles=recompiles, peak_gb=second["peak_gb"], cache_gb=second["cache_gb"],
@@ -422,8 +445,13 @@ def e2e_row(model, name: str, ids: torch.Tensor, n: int, compiled: bool, chunk: 
     if chunk_all:
         row["chunked_peak_gb"], row["peak_gb"] = row["peak_gb"], None
     elif chunk is not None and not compiled:  # transformers compiles each chunk's forward under compile: eager only
-        row["chunked_peak_gb"] = _generate_once(model, name, ids, n, compiled, chunk=chunk)["peak_gb"]
+        row["chunked_peak_gb"] = _generate_once(model, name, ids, n, compiled, chunk=chunk,
+                                                attention=attention)["peak_gb"]
     return row
+
+
+def _set_by(model) -> str:
+    return model.config._attn_implementation
 
 
 def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
@@ -437,16 +465,16 @@ def e2e_part(cfg: BenchConfig, log=print) -> list[dict]:
     model = _random_model(cfg.e2e_layers)
     s, n = cfg.e2e_context, cfg.e2e_new_tokens
     compiled_modes = [mode == "compiled" for mode in cfg.e2e_modes]
-    plan = [("dynamic", False)] + ([("static", True)] if True in compiled_modes else [])
-    plan += [(m, compiled) for m in cfg.decode_methods for compiled in compiled_modes]
+    plan = [("dynamic", False, "sdpa")] + ([("static", True, "sdpa")] if True in compiled_modes else [])
+    plan += [(m, compiled, a) for m in cfg.decode_methods for compiled in compiled_modes for a in cfg.attentions]
     rows = []
     for batch in cfg.decode_batches:
         gen = torch.Generator(device="cuda").manual_seed(batch)
         ids = torch.randint(0, model.config.vocab_size, (batch, s), device="cuda", generator=gen)
         base = None
-        for name, compiled in plan:
+        for name, compiled, attention in plan:
             try:
-                r = e2e_row(model, name, ids, n, compiled, cfg.e2e_prefill_chunk, cfg.e2e_chunk_all)
+                r = e2e_row(model, name, ids, n, compiled, cfg.e2e_prefill_chunk, cfg.e2e_chunk_all, attention)
             except torch.cuda.OutOfMemoryError as error:
                 log(f"{name} ({'compiled' if compiled else 'eager'}) at batch {batch}: out of memory "
                     f"({str(error).splitlines()[0]})")
@@ -475,7 +503,8 @@ def _e2e_line(r: dict) -> str:
     def gb(x):
         return "-" if x is None else f"{x:6.2f} GB"
 
-    return (f"batch {r['batch']:3d} {r['method']:>14} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  "
+    return (f"batch {r['batch']:3d} {r['method']:>14} {r['mode']:>8} {r.get('attention', ''):>10}: "
+            f"step {r['step_ms']:7.2f} ms  "
             f"{_vs_dynamic(r)}  first call {r['first_call_s']:6.1f} s, second "
             f"{r['second_call_s']:6.1f} s  recompiles {r['recompiles']}  peak {gb(r['peak_gb'])}, chunked "
             f"{gb(r['chunked_peak_gb'])}  cache {r['cache_gb']:.2f} GB"
@@ -502,6 +531,100 @@ def _dense_cache_bytes(cache) -> int:
     return sum(_dense_layer_bytes(layer) for layer in cache.layers)
 
 
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+def _prefill_s(model, cache, ids: torch.Tensor, chunk: int | None) -> float:
+    """Seconds of `generate`'s prefill of `ids` into `cache` (one new token: its step is the prefill's), in chunks
+    of `chunk` tokens when given."""
+    clock = _StepClock(ids.device)
+    from transformers import LogitsProcessorList
+
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                   logits_processor=LogitsProcessorList([clock]), disable_compile=True, prefill_chunk_size=chunk,
+                   **_compat.cache_kwargs(cache))
+    return clock.times[0] - t0
+
+
+def _turn_s(model, cache, turn: torch.Tensor) -> float:
+    """Seconds of one forward of a chat's next turn, `turn (B, T)` tokens, over what `cache` holds."""
+    held = int(cache.get_seq_length())
+    mask = torch.ones(turn.shape[0], held + turn.shape[1], dtype=torch.long, device=turn.device)
+    _sync(turn.device)
+    t0 = time.perf_counter()
+    model(input_ids=turn, attention_mask=mask, use_cache=True, logits_to_keep=1, **_compat.cache_kwargs(cache))
+    _sync(turn.device)
+    return time.perf_counter() - t0
+
+
+def _prefill_row(model, name: str, ids: torch.Tensor, turn: torch.Tensor, chunk: int | None) -> dict:
+    """One method's prefill of `ids` in chunks of `chunk` (a fresh cache), then the next turn over it; the peak memory
+    above what was allocated before (the weights and the prompt)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    cache, attention = _make_e2e_cache(name, model)
+    _set_attention(model, attention)
+    prefill_s = _prefill_s(model, cache, ids, chunk)
+    turn_s = _turn_s(model, cache, turn)
+    peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+    return dict(method=name, batch=ids.shape[0], context=ids.shape[1], chunk=chunk, prefill_s=prefill_s,
+                turn=turn.shape[1], turn_s=turn_s, peak_gb=peak)
+
+
+def prefill_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Prefill over a packed history, as `generate` runs it on a Llama-3-8B-shaped model (random bf16 weights,
+    `e2e_layers` layers), at each of `prefill_batches`: a prompt of `e2e_context` tokens prefilled in chunks of
+    `e2e_prefill_chunk` (each chunk after the first attends to the packed history), then a next turn of
+    `prefill_turn` tokens over it (one forward). DynamicCache prefills the prompt both unchunked and chunked; each
+    of `decode_methods` chunked, under the model's own attention. Each row is timed after a warm-up prefill of a
+    short prompt (the kernels' compiles): the prefill's time, its ratios to DynamicCache chunked and unchunked in the
+    same run, the turn's time and its ratio to DynamicCache's, peak memory."""
+    model = _random_model(cfg.e2e_layers)
+    chunk = cfg.e2e_prefill_chunk
+    rows = []
+    for batch in cfg.prefill_batches:
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        ids = torch.randint(0, model.config.vocab_size, (batch, cfg.e2e_context), device="cuda", generator=gen)
+        turn = torch.randint(0, model.config.vocab_size, (batch, cfg.prefill_turn), device="cuda", generator=gen)
+        warm = ids[:, : 2 * chunk + 64] if chunk else ids[:, :4096]
+        base = {}
+        for name, this_chunk in [("dynamic", None), ("dynamic", chunk)] + [(m, chunk) for m in cfg.decode_methods]:
+            try:
+                _prefill_row(model, name, warm, turn[:, :64], this_chunk)
+                r = _prefill_row(model, name, ids, turn, this_chunk)
+            except torch.cuda.OutOfMemoryError as error:
+                log(f"{name} at batch {batch}: out of memory ({str(error).splitlines()[0]})")
+                rows.append(dict(method=name, batch=batch, chunk=this_chunk, oom=True))
+                continue
+            finally:
+                from .patching import unfuse
+
+                unfuse(model)
+            if name == "dynamic":
+                base[this_chunk] = r
+            unchunked, chunked = base.get(None), base.get(chunk)
+            r["vs_dynamic"] = unchunked["prefill_s"] / r["prefill_s"] if unchunked else None
+            r["vs_dynamic_chunked"] = chunked["prefill_s"] / r["prefill_s"] if chunked else None
+            r["turn_vs_dynamic"] = chunked["turn_s"] / r["turn_s"] if chunked else None
+            rows.append(r)
+
+            def ratio(x):
+                return "   -  " if x is None else f"x{x:5.2f}"
+
+            log(f"batch {batch:3d} {name:>14} chunk {str(this_chunk):>5}: prefill {r['prefill_s']:7.3f} s "
+                f"{ratio(r['vs_dynamic_chunked'])} DynamicCache chunked, {ratio(r['vs_dynamic'])} unchunked  "
+                f"turn of {r['turn']} {r['turn_s'] * 1e3:8.1f} ms {ratio(r['turn_vs_dynamic'])}  "
+                f"peak {r['peak_gb']:6.2f} GB")
+    cfg.results["prefill"] = dict(context=cfg.e2e_context, layers=cfg.e2e_layers, chunk=chunk,
+                                  turn=cfg.prefill_turn, rows=rows)
+    del model
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- decode steps
 
 # The decode-step table (`--parts decode`, also run by `e2e`): rows are baselines and each method eager (built
@@ -510,8 +633,9 @@ def _dense_cache_bytes(cache) -> int:
 DECODE_BASELINES = ("dynamic", "static", "exact")  # DynamicCache eager; the other two compiled
 
 
-def _decode_cache(name: str, model, context: int, compiled: bool):
-    """(cache, attn_implementation) of a decode-table row; compiled rows pin `context` + slack (max_cache_len)."""
+def _decode_cache(name: str, model, context: int, compiled: bool, attention: str = "sdpa"):
+    """(cache, attn_implementation) of a decode-table row, our methods under `attention`; compiled rows pin
+    `context` + slack (max_cache_len)."""
     from transformers import DynamicCache, StaticCache
 
     capacity = context + 256  # the fill, the warm-up and the timed steps
@@ -524,7 +648,7 @@ def _decode_cache(name: str, model, context: int, compiled: bool):
     kwargs = _calibration_kwargs(name, model) if _needs_model(name) else {}
     if compiled:
         kwargs["max_cache_len"] = capacity
-    return make_cache(name, model, **kwargs), "hf_kvcache"
+    return make_cache(name, model, **kwargs), attention
 
 
 def _generate_from(model, cache, batch: int, n: int, compiled: bool) -> float:
@@ -584,7 +708,7 @@ def _host_us_per_layer(model, cache, batch: int, n: int = 20, rounds: int = 5) -
     return best
 
 
-def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log) -> dict:
+def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log, attention: str = "sdpa") -> dict:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -594,7 +718,7 @@ def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    cache, attn = _decode_cache(name, model, context, compiled)
+    cache, attn = _decode_cache(name, model, context, compiled, attention)
     _set_attention(model, attn)
     _fill(cache, model, batch, context)
     t0 = time.perf_counter()
@@ -610,7 +734,8 @@ def _decode_row(model, name: str, batch: int, context: int, compiled: bool, log)
     cache_bytes = cache.nbytes() if hasattr(cache, "nbytes") else _dense_cache_bytes(cache)
     # the eager host cost of one layer step (the compiled step has none: it replays a graph)
     host_us = _host_us_per_layer(model, cache, batch) if not compiled else float("nan")
-    row = dict(method=name, mode="compiled" if compiled else "eager", batch=batch, context=context, step_ms=step_ms,
+    row = dict(method=name, mode="compiled" if compiled else "eager", attention=attn, batch=batch, context=context,
+               step_ms=step_ms,
                tok_s=batch / step_ms * 1e3, gpu_ms=gpu_ms, wall_over_gpu=step_ms / gpu_ms, warmup_s=warmup_s,
                recompiles=recompiles, peak_gb=(torch.cuda.max_memory_allocated() - base) / 1e9,
                cache_gb=cache_bytes / 1e9, host_us_per_layer=host_us)
@@ -626,13 +751,15 @@ def decode_part(cfg: BenchConfig, log=print) -> list[dict]:
     profiler's kernel time; recompiles are dynamo's new graphs after the warm-up."""
     model = _random_model(cfg.e2e_layers)
     rows = []
-    plan = [(name, name != "dynamic") for name in DECODE_BASELINES]
-    plan += [(m, compiled) for m in cfg.decode_methods for compiled in (False, True)]
+    plan = [(name, name != "dynamic", "sdpa") for name in DECODE_BASELINES
+            if name == "dynamic" or "compiled" in cfg.e2e_modes]
+    plan += [(m, compiled, a) for m in cfg.decode_methods for compiled in [mode == "compiled" for mode in cfg.e2e_modes]
+             for a in cfg.attentions]
     for batch in cfg.decode_batches:
         base = None
-        for name, compiled in plan:
+        for name, compiled, attention in plan:
             try:
-                r = _decode_row(model, name, batch, cfg.e2e_context, compiled, log)
+                r = _decode_row(model, name, batch, cfg.e2e_context, compiled, log, attention)
             except torch.cuda.OutOfMemoryError as error:
                 log(f"{name} ({'compiled' if compiled else 'eager'}) at batch {batch}: out of memory "
                     f"({str(error).splitlines()[0]})")
@@ -645,7 +772,8 @@ def decode_part(cfg: BenchConfig, log=print) -> list[dict]:
             base = r["step_ms"] if name == "dynamic" else base
             r["vs_dynamic"] = None if base is None else base / r["step_ms"]  # None: DynamicCache did not run
             rows.append(r)
-            log(f"batch {batch:3d} {name:>10} {r['mode']:>8}: step {r['step_ms']:7.2f} ms  {r['tok_s']:8.1f} tok/s  "
+            log(f"batch {batch:3d} {name:>10} {r['mode']:>8} {attention:>10}: step {r['step_ms']:7.2f} ms  "
+                f"{r['tok_s']:8.1f} tok/s  "
                 f"{_vs_dynamic(r)}  GPU {r['gpu_ms']:6.2f} ms (wall/GPU {r['wall_over_gpu']:.2f})  "
                 f"warm-up {r['warmup_s']:5.1f} s  recompiles {r['recompiles']}  peak {r['peak_gb']:6.2f} GB"
                 + (f"  host {r['host_us_per_layer']:.0f} us/layer" if r["mode"] == "eager" else ""))
@@ -927,7 +1055,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     )
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
-             "sweep": sweep_part, "multi_gpu": multi_gpu_part}
+             "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

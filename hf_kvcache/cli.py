@@ -474,11 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--parts", default=None,
-        help="kernel, e2e, capacity (the default three), sweep (launch parameters) and multi_gpu (see --multi-gpu)"
+        help="kernel, e2e, capacity (the default three), decode (steps over filled caches), prefill (chunked prefill "
+        "and a next turn over a packed history), sweep (launch parameters) and multi_gpu (see --multi-gpu)"
     )
-    bench.add_argument("--methods", default=None, help="cache specs (default: FP8, INT8, INT4, INT2 and KIVI, bench.KERNEL_SPECS)")
+    bench.add_argument("--methods", default=None,
+                       help="cache specs of the kernel part (default: the README's front presets and INT2, "
+                       "bench.KERNEL_SPECS)")
     bench.add_argument("--batches", default="1,16,64", help="kernel grid batches")
-    bench.add_argument("--contexts", default="4096,32768,131072", help="kernel grid contexts in tokens")
+    bench.add_argument("--contexts", default="4096,32768", help="kernel grid contexts in tokens")
     bench.add_argument("--e2e-batch", type=int, default=16)
     bench.add_argument("--e2e-context", type=int, default=32768)
     bench.add_argument("--e2e-layers", type=int, default=8, help="decoder layers of the 8B-shaped model")
@@ -504,6 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode-methods", default=None,
                        help="cache specs of the end-to-end and decode-step tables, each eager and compiled "
                        "(default: bench.BenchConfig)")
+    bench.add_argument("--attentions", default="sdpa",
+                       help="the attention the methods' rows of the e2e and decode parts run under: sdpa (the model "
+                       "as loaded, no attention argument), eager, hf_kvcache; several run each")
+    bench.add_argument("--prefill-batches", default="1,16", help="batches of the prefill part")
+    bench.add_argument("--turn-tokens", type=int, default=2048,
+                       help="tokens of the next turn the prefill part times over the prefilled history")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -732,11 +741,11 @@ def _bench(args: argparse.Namespace) -> int:
             parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
-        unknown = set(parts) - {"kernel", "e2e", "decode", "capacity", "sweep", "multi_gpu"}
+        unknown = set(parts) - {"kernel", "e2e", "decode", "capacity", "sweep", "multi_gpu", "prefill"}
         if unknown:
             raise UsageError(
-                f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, decode, capacity, sweep, "
-                "multi_gpu"
+                f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, decode, prefill, capacity, "
+                "sweep, multi_gpu"
             )
         if "multi_gpu" in parts and torch.cuda.device_count() < 2:
             raise UsageError(f"--multi-gpu needs at least 2 CUDA GPUs, {torch.cuda.device_count()} visible")
@@ -754,7 +763,12 @@ def _bench(args: argparse.Namespace) -> int:
             multi_gpu_layers=args.multi_gpu_layers,
             decode_batches=_int_list(args.decode_batches, "--decode-batches"),
             e2e_modes=tuple(m for m in args.e2e_modes.split(",") if m),
+            attentions=tuple(a for a in args.attentions.split(",") if a),
+            prefill_batches=_int_list(args.prefill_batches, "--prefill-batches"),
+            prefill_turn=args.turn_tokens,
         )
+        if not cfg.attentions or set(cfg.attentions) - {"sdpa", "eager", "hf_kvcache"}:
+            raise UsageError(f"--attentions: choose from sdpa, eager, hf_kvcache (got {args.attentions!r})")
         if not cfg.e2e_modes or set(cfg.e2e_modes) - {"eager", "compiled"}:
             raise UsageError(f"--e2e-modes: choose from eager, compiled (got {args.e2e_modes!r})")
         if args.new_tokens < 3 or args.prefill_chunk < 0:
