@@ -681,12 +681,14 @@ def _host_us_per_layer(model, cache, batch: int, n: int = 20, rounds: int = 5) -
     of `rounds` such rounds (another process on the host only ever adds to a round). Adds `n * rounds` tokens to that
     layer: measured last, on a cache about to be dropped."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     attn = model.model.layers[0].self_attn
     config = model.config
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // hq
-    fn = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+    # the lookup the model's attention makes, through which a packed cache's handles reach the fused read
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
     device = model.device
     q = torch.randn(batch, hq, 1, d, device=device, dtype=model.dtype)
     k = torch.randn(batch, hkv, 1, d, device=device, dtype=model.dtype)
