@@ -1,37 +1,26 @@
 """Capacity planning (`hf-kvcache plan`, `hf_kvcache.plan`): for every method, the bytes one token and one sequence
-take in the KV cache of a model, how many concurrent sequences fit next to the weights on a GPU, and which format
-suits that GPU, citing the accuracy and speed this project measured.
+take in the KV cache of a model, how many concurrent sequences fit next to the weights on a GPU, and which preset to
+pick, citing the accuracy and speed this project measured on a GPU.
 
-Bytes are measured, not derived from a formula. For each method the real cache is built on the model's real config
-(on the CPU, batch 1) and random K/V of the config's shape are stored in one layer of each distinct kind (full
-attention, or sliding with its window; every method gives all layers of a kind the same layout); `nbytes()` of the
-layer (codes, scales, zeros, residual window, sinks, outlier slots, codec state) is read at a few sizes:
-
-- full attention: past its windows the layer's storage repeats every P tokens (P: the least common multiple of its
-  codecs' block sizes and of its block-flushed residual lengths, from the layer's `LayerPolicy`), each period adding
-  the same bytes. Bytes at the context = bytes measured at a size congruent to the context modulo P, plus the
-  periods in between times the bytes of one period (checked to repeat over two steps). Exact, not fitted; contexts
-  up to a few hundred tokens are measured directly.
-- sliding window: a prefill up to the window, then one-token decode steps (up to the context, at most
-  `_DECODE_STEPS`); the most the layer holds on that path. It stops growing at its window plus the margin the
-  cache keeps for rollbacks. A prefill longer than the window is held whole until the next step (the layer trims
-  before it appends); the plan counts decoding, not that moment.
-
-No weights are needed: `model` is a shipped shape (`SHIPPED_MODELS`), a local config.json or model directory, or a
-config. Presets that need a model are built from the config alone, honestly because their storage layout depends
-on shapes and settings only: `kvquant-*` with a calibration of the config's shapes holding placeholder ranges and
-codebooks and a RoPE of angle zero (the position field is stored either way), `rotated-*` with a rotation recorded
-but fused into no weights.
+Bytes are measured, not derived from a formula (`hf_kvcache.footprint`): the real cache is built on the model's
+config (on the CPU, batch 1, no weights) and every tensor it holds is counted: its tokens' bytes at the context
+(extrapolated exactly from one layer of each kind), the capacity a prefill of the context leaves unfilled, and what it
+holds whatever the length (rotations, codebooks, calibration tables).
 
 Weights: the model class built from the config on the meta device, its parameters counted (tied embeddings once)
-at `weights_dtype`. KV budget = GPU memory x (1 - reserve) - weights; sequences that fit = budget // bytes of one
-sequence. Batch and bytes are linear: every stored field has the batch axis first.
+at `weights_dtype`. KV budget = GPU memory x (1 - reserve) - weights; sequences that fit = (budget - the tensors held
+once per cache) // the bytes of one sequence's tokens and capacity, which are linear in the batch (every stored
+field has the batch axis first).
+
+The recommendation reads `hf_kvcache/data/measured.json`: accuracy on the decode protocol and decode (and prefill)
+speed in `generate` against DynamicCache, both on a GPU, each with the result file it comes from. `hf-kvcache report
+--readme README.md` writes that file from the same result files as the README's table (`docs/readme_sources.json`
+names them), and a test checks that the two agree.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -39,18 +28,13 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from . import _compat
-from .cache import _SLIDING_CROP_MARGIN, QuantizedKVLayer
-from .eval.memory import layer_nbytes, reference_bytes_per_token
-from .kernels import use_backend
+from .eval.memory import reference_bytes_per_token
+from .footprint import Measure
 from .methods._common import attention_shape
-from .methods.kvquant import KVQUANT_BITS, KVQuantCache
-from .methods.rotated import RotatedCache, Rotation
 from .models import DEFAULT_MODEL, model_name
-from .patching import LayerRope, ValueRotation
-from .presets import PRESETS, make_cache, parse_spec
+from .presets import PRESETS, parse_spec
 
 __all__ = [
     "GPU",
@@ -133,25 +117,16 @@ GPUS: dict[str, GPU] = {
     "mi300x": GPU("AMD Instinct MI300X", 192 * 10**9, "cdna3", "gfx942"),
     "mi325x": GPU("AMD Instinct MI325X", 256 * 10**9, "cdna3", "gfx942"),
 }
-# Where the recommendation is native FP8 (the issue's rule). Ada has FP8 units too, but the rule sends it to INT8 /
-# 4-bit with Ampere; this project measured FP8 decode speed on a Hopper GPU only.
+# GPUs that convert FP8 natively, where FP8 presets are candidates. Ada has FP8 units too, but this project measured
+# FP8 decode only on a Hopper GPU; elsewhere the FP8 presets are left out of the recommendation.
 FP8_ARCHS = ("hopper", "blackwell", "cdna3", "cdna4")
-FP8_METHOD = "fp8-e4m3"
-INT_METHODS = ("int8", "int4-g64")  # the first whose batch fits, else the second
-# 2-4 bit methods for when memory dominates, tried from the most accurate (measured) to the least.
-MEMORY_METHODS = ("kivi-4", "kvquant-4", "kvquant-3", "kivi-2", "kvquant-2")
-LONG_CONTEXT = 100_000  # tokens from which memory dominates the choice
+DEFAULT_MAX_LOSS = 0.5  # ΔNLL (%) on the measured decode protocol a recommendation may cost
+UNQUANTIZED = ("none", "exact")  # never recommended: they save nothing
 DEFAULT_GPU_MEMORY = 80 * 2**30  # without a GPU to read or name
 DEFAULT_RESERVE = 0.1  # share of GPU memory kept for activations and the runtime, as vLLM's default utilization 0.9
 WEIGHT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1,
                 "int4": 0.5}
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-# One-token decode steps simulated on a sliding-window layer past its window: QuantizedKVLayer trims its window in
-# bulk every `_SLIDING_CROP_MARGIN` tokens, so four margins show its whole cycle twice.
-_DECODE_STEPS = 4 * _SLIDING_CROP_MARGIN
-_STEP = 128  # tokens between the sizes a full-attention layer is measured at (rounded up to its period)
-
 
 # ------------------------------------------------------------------------------------------------ parsing inputs
 
@@ -287,166 +262,31 @@ def parameter_count(config) -> int:
     return _PARAMETERS[key]
 
 
-# ------------------------------------------------------------------------------------------------ measuring caches
-
-
-class _ZeroAngleRotary(nn.Module):
-    """A rotary embedding whose angle is always zero (cos 1, sin 0): `(x, position_ids (B, T)) -> (cos, sin) (B, T,
-    D)`. RoPE's angles change the values a pre-RoPE key cache stores, not its layout."""
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*position_ids.shape, x.shape[-1])
-        return torch.ones(shape, device=x.device), torch.zeros(shape, device=x.device)
-
-
-def _layout_calibration(config):
-    """A calibration of `config`'s shapes holding what `KVQuantCache` reads, with placeholder values: per-channel key
-    ranges `(Hkv, D)` of [-1, 1] and uniform codebooks `(2^b,)` for every bit width. The layout of KVQuant's storage
-    (codes, outlier slots, fp16 ranges, positions) depends on the shapes only."""
-    from .calibration import Calibration, fingerprint
-
-    layers, kv_heads, head_dim = attention_shape(config)
-    lo, hi = -torch.ones(kv_heads, head_dim), torch.ones(kv_heads, head_dim)
-    books = {bits: torch.linspace(-1, 1, 2**bits) for bits in KVQUANT_BITS}
-    tensors = {}
-    for i in range(layers):
-        for place in ("k_pre", "k_post"):
-            tensors[f"layers.{i}.{place}.lo"], tensors[f"layers.{i}.{place}.hi"] = lo, hi
-        for bits, book in books.items():
-            for place in ("k_pre", "k_post", "v"):
-                tensors[f"layers.{i}.{place}.nuq{bits}"] = book
-    return Calibration({"fingerprint": fingerprint(config), "bits": list(KVQUANT_BITS)}, tensors)
-
-
-def _build_cache(spec: str, config):
-    """The cache `spec` names, built on `config` alone (see the module docstring for the presets that need a model)."""
-    name, overrides = parse_spec(spec)
-    preset = PRESETS[name]
-    if not preset.needs_model:
-        return make_cache(spec, config)
-    kwargs = {**preset.kwargs, **overrides}
-    layers, _, head_dim = attention_shape(config)
-    builder = getattr(preset.build, "__self__", None)  # the presets that need a model build through `from_model`
-    try:
-        if builder is KVQuantCache:
-            ropes = [LayerRope(_ZeroAngleRotary())] * layers if kwargs.get("pre_rope", True) else None
-            kwargs.setdefault("calibration", _layout_calibration(config))
-            return KVQuantCache(config, ropes=ropes, **kwargs)
-        if builder is RotatedCache:
-            fusion = ValueRotation(Rotation(head_dim, kwargs.pop("seed", 0)), originals={})
-            return RotatedCache(config, fusion=fusion, **kwargs)
-    except TypeError as error:
-        raise ValueError(f"spec {spec!r}: {error}") from error
-    raise ValueError(f"spec {spec!r} needs the model's weights to build; the planner cannot build it from a config")
-
-
-def _period(layer) -> tuple[int, int]:
-    """`(P, start)`: past `start` tokens a full-attention layer's storage repeats every P tokens, each period adding
-    the same bytes. A FIFO residual holds between R and R + block - 1 tokens once R have passed; a block-flushed one
-    cycles through R from the first token. A transformers layer adds the same bytes every token."""
-    if not isinstance(layer, QuantizedKVLayer):
-        return 1, 0
-    p = layer.policy
-    periods = [p.key_codec.block_size, p.value_codec.block_size]
-    for flush, residual in ((p.key_flush, p.key_residual_length), (p.value_flush, p.value_residual_length)):
-        if flush == "block":
-            periods.append(residual)
-    return math.lcm(*periods), p.sink_tokens + max(p.key_residual_length, p.value_residual_length)
-
-
-class _Measure:
-    """Stores random K/V `(1, Hkv, n, D)` in fresh cache layers of one config and reads the bytes they hold."""
-
-    def __init__(self, config, dtype: torch.dtype):
-        self.config = config
-        self.dtype = dtype
-        _, self.kv_heads, self.head_dim = attention_shape(config)
-        groups: dict[int | None, list[int]] = {}
-        for idx, spec in enumerate(_compat.layer_specs(config)):
-            if spec.kind != "dummy":  # a layer reading another layer's K/V holds nothing
-                groups.setdefault(spec.sliding_window, []).append(idx)
-        # (representative layer, layers of its kind, sliding window or None)
-        self.kinds = [(indices[0], len(indices), window) for window, indices in groups.items()]
-        self.generator = torch.Generator().manual_seed(0)
-
-    def _feed(self, layer, n: int) -> None:
-        shape = (1, self.kv_heads, n, self.head_dim)
-        k = torch.randn(shape, generator=self.generator).to(self.dtype)
-        v = torch.randn(shape, generator=self.generator).to(self.dtype)
-        layer.update(k, v)
-
-    def _fresh(self, spec: str, index: int):
-        layer = _build_cache(spec, self.config).layers[index]
-        if isinstance(layer, QuantizedKVLayer):
-            layer.fused = True  # update() returns handles: only storage is measured, no dense K/V is built
-        return layer
-
-    def _full(self, spec: str, index: int, context: int) -> int:
-        layer = self._fresh(spec, index)
-        period, start = _period(layer)
-        step = period * -(-_STEP // period)
-        first = start + period + (context - start - period) % period  # past every window, = context (mod P)
-        if context <= first + 2 * step:
-            self._feed(layer, context)
-            return layer_nbytes(layer)
-        sizes = []
-        for n in (first, step, step):  # the final layout of a full layer does not depend on how tokens arrived
-            self._feed(layer, n)
-            sizes.append(layer_nbytes(layer))
-        periods_per_step = step // period
-        grown = sizes[1] - sizes[0]
-        if sizes[2] - sizes[1] != grown or grown % periods_per_step:
-            raise RuntimeError(
-                f"{spec}: the storage does not repeat every {period} tokens (bytes {sizes} at {first}, "
-                f"+{step}, +{step} tokens); the planner cannot extrapolate it"
-            )
-        return sizes[0] + (context - first) // period * (grown // periods_per_step)
-
-    def _sliding(self, spec: str, index: int, context: int, window: int) -> int:
-        layer = self._fresh(spec, index)
-        prefill = min(context, window)
-        self._feed(layer, prefill)
-        most = layer_nbytes(layer)
-        for _ in range(min(context - prefill, _DECODE_STEPS)):
-            self._feed(layer, 1)
-            most = max(most, layer_nbytes(layer))
-        return most
-
-    def sequence_bytes(self, spec: str, context: int) -> int:
-        """KV bytes one sequence of `context` tokens takes in the cache `spec` names, every layer included."""
-        threads = torch.get_num_threads()
-        # The tensors are small (one layer, a few hundred tokens): waking other threads costs more than it gives,
-        # up to 30x on a loaded machine (measured on 2 shared cores).
-        torch.set_num_threads(1)
-        try:
-            with use_backend("torch"):  # the kernels write the same fields as the reference: same bytes, no GPU
-                return sum(
-                    count * (self._full(spec, index, context) if window is None
-                             else self._sliding(spec, index, context, window))
-                    for index, count, window in self.kinds
-                )
-        finally:
-            torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------------------ results
 
 
 @cache
 def measured() -> dict:
-    """The figures this project measured that recommendations cite (`hf_kvcache/data/measured.json`): accuracy per
-    spec on the default model and decode-attention speed-ups per spec on an H200, each with its results directory."""
+    """The figures this project measured that recommendations cite (`hf_kvcache/data/measured.json`, written by
+    `hf-kvcache report --readme`): `accuracy.methods[spec]` on the decode protocol and `speed.methods[spec]`, a list
+    of points (decode or prefill, batch, context, ratio against DynamicCache), each with the result file it comes
+    from."""
     return json.loads(resources.files("hf_kvcache").joinpath("data/measured.json").read_text())
 
 
 @dataclass(frozen=True)
 class MethodPlan:
-    """One method at the plan's context: `sequence_bytes` of KV for one sequence, `bytes_per_token` =
-    sequence_bytes / context, `ratio` against the 16-bit cache of the same sequence, `max_sequences` of the context
-    that fit the KV budget, `max_tokens` that fit at this bytes/token, and whether the requested batch fits."""
+    """One method at the plan's context. `sequence_bytes`: every tensor one sequence's cache holds, i.e.
+    `held_bytes` (its tokens: `nbytes()`) + `spare_bytes` (the capacity a prefill of the context leaves unfilled) +
+    `fixed_bytes` (what the cache holds whatever its length, once per cache). `bytes_per_token` = sequence_bytes /
+    context, `ratio` against the 16-bit cache of the same sequence, `max_sequences` of the context that fit the KV
+    budget, `max_tokens` that fit at this bytes/token, and whether the requested batch fits."""
 
     spec: str
     sequence_bytes: int
+    held_bytes: int
+    spare_bytes: int
+    fixed_bytes: int
     bytes_per_token: float
     ratio: float
     max_sequences: int
@@ -456,8 +296,8 @@ class MethodPlan:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """A spec picked by one rule (`kind`: "hardware" or "memory"), why, what it fits, and the measured figures it
-    cites: `accuracy` and `speed` are the spec's entries of `measured()` (None where there is none)."""
+    """A spec picked by one rule (`kind`: "bytes", "speed" or "memory"), why, what it fits, and the measured figures
+    it cites: `accuracy` and `speed` are the spec's entries of `measured()` (None / empty where there are none)."""
 
     spec: str
     kind: str
@@ -465,7 +305,7 @@ class Recommendation:
     max_sequences: int
     ratio: float
     accuracy: dict | None
-    speed: dict | None
+    speed: list
 
 
 @dataclass(frozen=True)
@@ -492,6 +332,7 @@ class Plan:
     gpu_memory_source: str
     reserve: float
     kv_budget: int
+    max_loss: float
     rows: tuple[MethodPlan, ...]
     recommendations: tuple[Recommendation, ...]
     notes: tuple[str, ...]
@@ -533,9 +374,10 @@ class Plan:
         lines += ["", "Recommendation:"]
         for rec in self.recommendations:
             lines.append(f"- `{rec.spec}` ({rec.kind}): {rec.why}")
-            if rec.accuracy is not None:
-                lines.append(f"  accuracy: {_accuracy_text(rec.accuracy)}")
-            lines.append(f"  speed: {_speed_text(rec.spec)}")
+            lines.append(f"  accuracy: {_accuracy_text(rec.accuracy)}")
+            lines.append(f"  speed: {_speed_text(rec.speed)}")
+        if not self.recommendations:
+            lines.append("- none: no preset with measured accuracy was planned")
         lines += ["", *(f"Note: {note}" for note in self.notes)]
         return "\n".join(lines)
 
@@ -548,78 +390,93 @@ def _gpu_line(gpu: GPU | None) -> str:
     return "unknown (none named, none visible)" if gpu is None else f"{gpu.name} ({gpu.capability}, {gpu.arch})"
 
 
-def _length(tokens: str) -> str:
-    n = int(tokens)
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+def _length(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
-def _accuracy_text(entry: dict) -> str:
-    half = f" ± {entry['delta_half_width']:.2f}" if entry.get("delta_half_width") else ""
-    text = (f"ΔNLL {entry['decode_delta_pct']:+.2f}%{half}, KL {entry['kl']:.4f}, top-1 {entry['top1']:.1%} "
-            f"(decode protocol, prefill {entry['prefill']})")
-    return f"{text} on {measured()['accuracy']['model']} [{entry['source']}]"
-
-
-def _speed_points(entry: dict) -> str:
-    return ", ".join(f"x{v:.2f} at {key.split('x')[0]} x {_length(key.split('x')[1])}"
-                     for key, v in entry["speedup"].items())
-
-
-def _speed_text(spec: str) -> str:
-    speed = measured()["speed"]
-    entry = speed["methods"].get(spec)
-    where = f"decode attention against bf16 SDPA on an {speed['gpu']}, batch x context"
+def _accuracy_text(entry: dict | None) -> str:
     if entry is None:
-        return "not benchmarked on a GPU"
-    if "speedup" not in entry:
-        near = "; ".join(f"`{s}` {_speed_points(speed['methods'][s])} [{speed['methods'][s]['source']}]"
-                         for s in entry["nearest"])
-        return f"{entry['not_measured']}: {near} ({where})"
-    return f"{_speed_points(entry)} ({where}) [{entry['source']}]"
+        return "not measured on the decode protocol"
+    figures = measured()["accuracy"]
+    half = f" ± {entry['delta_half_width']:.2f}" if entry.get("delta_half_width") else ""
+    return (f"ΔNLL {entry['decode_delta_pct']:+.2f}%{half}, KL {entry['kl']:.4f}, top-1 {entry['top1']:.1%} "
+            f"({figures['protocol']}; {figures['model']}; {figures['platform']}) [{entry['source']}]")
+
+
+def _point_text(point: dict) -> str:
+    where = f"batch {point['batch']} x {_length(point['context'])}"
+    if point["what"] == "prefill":
+        return (f"prefill in chunks of {point['chunk']} x{point['vs_dynamic_chunked']:.2f} at {where} "
+                f"(x{point['vs_dynamic']:.2f} against DynamicCache unchunked)")
+    return f"decode x{point['vs_dynamic']:.2f} at {where}"
+
+
+def _speed_text(points: list) -> str:
+    if not points:
+        return "not benchmarked in generate on a GPU"
+    sources = sorted({p["source"] for p in points})
+    return (f"{', '.join(_point_text(p) for p in points)} ({measured()['speed']['protocol']}) "
+            f"[{', '.join(sources)}]")
 
 
 # ------------------------------------------------------------------------------------------------ recommendation
 
 
-def _recommend(rows: dict[str, MethodPlan], gpu: GPU | None, context: int, batch: int) -> list[Recommendation]:
-    """The issue's rules: native FP8 on Hopper/Blackwell/MI300-class GPUs, INT8 (or INT4 group 64 when INT8 does not
-    fit the batch) elsewhere; and a 2-4 bit KIVI/KVQuant cache, the most accurate that fits the batch, when memory
-    dominates (a context of `LONG_CONTEXT` tokens or more, or the batch does not fit the first pick)."""
+def _decode_speed(points: list) -> tuple[int, float] | None:
+    """`(batch, ratio against DynamicCache)` of the largest-batch decode point measured, or None."""
+    decode = [p for p in points if p["what"] == "decode"]
+    return None if not decode else max((p["batch"], p["vs_dynamic"]) for p in decode)
+
+
+def _recommend(rows: dict[str, MethodPlan], gpu: GPU | None, context: int, batch: int,
+               max_loss: float) -> list[Recommendation]:
+    """Candidates: the planned presets with a measured accuracy, quantized, FP8 only on GPUs that convert it natively,
+    and none measured slower than DynamicCache in `generate`. Then:
+    - "bytes": the fewest bytes among the candidates within `max_loss` ΔNLL that fit the batch;
+    - "speed": the fastest decode (largest measured batch) among the same, when it is another preset;
+    - "memory": when none within `max_loss` fits the batch, the most accurate candidate that does (or, if none
+      does, the one holding the most sequences)."""
     figures = measured()
     accuracy, speed = figures["accuracy"]["methods"], figures["speed"]["methods"]
+    fp8 = gpu is not None and gpu.arch in FP8_ARCHS
+
+    def usable(spec: str) -> bool:
+        fast = _decode_speed(speed.get(spec, []))
+        return (spec in accuracy and spec not in UNQUANTIZED and (fp8 or not spec.startswith("fp8"))
+                and (fast is None or fast[1] >= 1.0))
 
     def rec(spec: str, kind: str, why: str) -> Recommendation:
         r = rows[spec]
-        return Recommendation(spec, kind, why, r.max_sequences, r.ratio, accuracy.get(spec), speed.get(spec))
+        fits = f"{r.ratio:.3f}x the 16-bit cache, {r.max_sequences:,} sequences of {context:,} tokens fit"
+        return Recommendation(spec, kind, f"{why}; {fits}.", r.max_sequences, r.ratio, accuracy.get(spec),
+                              speed.get(spec, []))
 
-    def fits(spec: str) -> str:
-        r = rows[spec]
-        return f"{r.ratio:.3f}x the 16-bit cache, {r.max_sequences:,} sequences of {context:,} tokens fit"
-
-    out = []
-    if gpu is not None and gpu.arch in FP8_ARCHS:
-        first = FP8_METHOD
-        out.append(rec(first, "hardware", f"{gpu.name} ({gpu.arch}) converts FP8 natively; {fits(first)}."))
-    else:
-        first = next((s for s in INT_METHODS if rows[s].fits_batch), INT_METHODS[-1])
-        hardware = ("unknown hardware (name it with --gpu), assumed without native FP8" if gpu is None
-                    else f"{gpu.name} ({gpu.arch}): native FP8 is recommended on Hopper, Blackwell and MI300-class "
-                    "GPUs only")
-        choice = ("INT8, the most accurate at half the bytes, fits the batch" if first == INT_METHODS[0] else
-                  f"INT8 does not fit batch {batch}, so INT4 in groups of 64")
-        out.append(rec(first, "hardware", f"{hardware}: {choice}; {fits(first)}."))
-    if context >= LONG_CONTEXT or not rows[first].fits_batch:
-        ranked = sorted(MEMORY_METHODS, key=lambda s: accuracy[s]["decode_delta_pct"])
-        fitting = [s for s in ranked if rows[s].fits_batch]
-        reason = (f"at {context:,} tokens memory dominates" if context >= LONG_CONTEXT
-                  else f"`{first}` does not fit batch {batch}")
+    candidates = [s for s in rows if usable(s)]
+    if not candidates:
+        return []
+    loss = {s: accuracy[s]["decode_delta_pct"] for s in candidates}
+    within = [s for s in candidates if loss[s] <= max_loss and rows[s].fits_batch]
+    hardware = "" if fp8 else " (FP8 left out: " + ("no GPU named" if gpu is None else f"{gpu.arch}") + ")"
+    budget = f"within {max_loss:g}% ΔNLL that fit batch {batch}{hardware}"
+    if not within:
+        fitting = [s for s in candidates if rows[s].fits_batch]
         if fitting:
-            pick = fitting[0]
-            why = f"{reason}: the most accurate 2-4 bit cache (measured) that fits batch {batch}; {fits(pick)}."
+            pick = min(fitting, key=lambda s: loss[s])
+            why = f"no preset {budget}: the most accurate that does"
         else:
-            pick = max(ranked, key=lambda s: rows[s].max_sequences)
-            why = f"{reason}, and no 2-4 bit cache fits batch {batch}: this one holds the most; {fits(pick)}."
-        out.append(rec(pick, "memory", why))
+            pick = max(candidates, key=lambda s: rows[s].max_sequences)
+            why = f"no preset fits batch {batch}: the one that holds the most sequences"
+        return [rec(pick, "memory", why)]
+    smallest = min(within, key=lambda s: (rows[s].sequence_bytes, loss[s]))
+    out = [rec(smallest, "bytes", f"the fewest bytes among the presets {budget}")]
+    timed = {s: _decode_speed(speed.get(s, [])) for s in within}
+    timed = {s: t for s, t in timed.items() if t is not None}
+    if timed:
+        fastest = max(timed, key=lambda s: timed[s])
+        if fastest != smallest:
+            b, ratio = timed[fastest]
+            out.append(rec(fastest, "speed", f"the fastest decode at batch {b} (x{ratio:.2f} DynamicCache's) among "
+                                             f"the presets {budget}"))
     return out
 
 
@@ -637,6 +494,7 @@ def plan(
     reserve: float = DEFAULT_RESERVE,
     methods: list[str] | tuple[str, ...] | None = None,
     dtype: torch.dtype | str = torch.bfloat16,
+    max_loss: float = DEFAULT_MAX_LOSS,
 ) -> Plan:
     """Plan the KV cache of `model` for every method (see the module docstring for how bytes are measured).
 
@@ -650,8 +508,10 @@ def plan(
         batch: concurrent sequences wanted.
         weights_dtype: bf16, fp16, fp32, fp8, int8 or int4 (bytes per parameter 2, 2, 4, 1, 1, 0.5).
         reserve: share of GPU memory kept for activations and the runtime (default 0.1).
-        methods: specs to plan (default: every preset); the recommendation's candidates are planned in any case.
+        methods: specs to plan (default: every preset); the recommendation's candidates (the presets with a measured
+            accuracy) are planned in any case.
         dtype: the dtype the model computes K/V in, which the baseline and every exact window hold (default bf16).
+        max_loss: the ΔNLL (%, measured on the decode protocol) a recommended preset may cost (default 0.5).
 
     Raises:
         ValueError: an unknown model, GPU or spec, a context or memory that does not parse, or weights (plus the
@@ -668,6 +528,8 @@ def plan(
         raise ValueError(f"batch must be a positive integer, got {batch!r}")
     if not 0 <= reserve < 1:
         raise ValueError(f"reserve is a share of GPU memory in [0, 1), got {reserve!r}")
+    if not max_loss >= 0:
+        raise ValueError(f"max_loss is a ΔNLL in % (0 or more), got {max_loss!r}")
     if weights_dtype not in WEIGHT_BYTES:
         raise ValueError(f"weights dtype {weights_dtype!r} is not one of {', '.join(WEIGHT_BYTES)}")
     specs = list(dict.fromkeys(PRESETS if methods is None else methods))
@@ -691,22 +553,25 @@ def plan(
         raise ValueError(f"the weights ({_gb(weights)}) and the reserve ({reserve:.0%} = {_gb(reserve * memory)}) "
                          f"leave no memory for the KV cache in {_gb(memory)}; lower the reserve or the weights dtype")
 
-    measure = _Measure(config, kv_dtype)
-    sixteen_bit = measure if kv_dtype.itemsize == 2 else _Measure(config, torch.bfloat16)
-    reference = sixteen_bit.sequence_bytes("none", context)  # "vs 16-bit" is against this, whatever `dtype` is
-    candidates = (FP8_METHOD, *INT_METHODS, *MEMORY_METHODS)
+    measure = Measure(config, kv_dtype)
+    sixteen_bit = measure if kv_dtype.itemsize == 2 else Measure(config, torch.bfloat16)
+    reference = sixteen_bit.footprint("none", context).total  # "vs 16-bit" is against this, whatever `dtype` is
+    candidates = [s for s in measured()["accuracy"]["methods"] if s in PRESETS]  # what a recommendation weighs
     rows, skipped = {}, []
     for spec in dict.fromkeys([*specs, *candidates]):
         try:
-            seq = measure.sequence_bytes(spec, context)
+            fp = measure.footprint(spec, context)
         except ValueError as error:
             if methods is not None and spec in specs:
                 raise
             skipped.append(f"`{spec}` does not apply to this model: {error}")  # e.g. groups of 128 at head_dim 64
             continue
+        per_sequence = fp.held + fp.spare  # the fixed tensors are held once, whatever the batch
+        fitting = max(budget - fp.fixed, 0) // per_sequence
         rows[spec] = MethodPlan(
-            spec=spec, sequence_bytes=seq, bytes_per_token=seq / context, ratio=seq / reference,
-            max_sequences=budget // seq, max_tokens=int(budget // (seq / context)), fits_batch=budget // seq >= batch,
+            spec=spec, sequence_bytes=fp.total, held_bytes=fp.held, spare_bytes=fp.spare, fixed_bytes=fp.fixed,
+            bytes_per_token=fp.total / context, ratio=fp.total / reference, max_sequences=fitting,
+            max_tokens=int(max(budget - fp.fixed, 0) // (per_sequence / context)), fits_batch=fitting >= batch,
         )
     layers, kv_heads, head_dim = attention_shape(config)
     windows: dict = {}
@@ -714,9 +579,10 @@ def plan(
         windows["full" if window is None else window] = count
     notes = [
         *skipped,
-        (f"bytes are what the caches hold (nbytes) with K/V in {str(kv_dtype).removeprefix('torch.')}; a cache "
-         "that grows also holds capacity not filled yet, at most the larger of 6.25% and 64 tokens, rounded up "
-         "to 64 tokens (allocated_nbytes)"),
+        (f"bytes: every tensor one sequence's cache holds with K/V in {str(kv_dtype).removeprefix('torch.')}: its "
+         "tokens (codes, scales, windows, sinks), the capacity a prefill of the context leaves unfilled (64-127 "
+         "tokens) and what the cache holds whatever its length (rotations, codebooks), counted once per cache; "
+         "decoding past the prompt grows the capacity by 6.25% steps"),
         (f"weights: every parameter at {weights_dtype}; the scales of quantized weights and the activations are not "
          f"counted (the {reserve:.0%} reserve is meant for activations and the runtime)"),
         ("a long prompt's prefill takes activations for every token at once, far more than the cache at large "
@@ -743,6 +609,6 @@ def plan(
         gpu_source=gpu_source if hardware is not None else "none", gpu_memory=memory,
         gpu_memory_source=memory_source, reserve=reserve, kv_budget=budget,
         rows=tuple(rows[s] for s in specs if s in rows),
-        recommendations=tuple(_recommend(rows, hardware, context, batch)),
+        max_loss=max_loss, recommendations=tuple(_recommend(rows, hardware, context, batch, max_loss)),
         notes=tuple(notes),
     )
