@@ -6,6 +6,7 @@
     hf-kvcache bench              GPU benchmarks (kernels, end to end, capacity)
     hf-kvcache lm-eval ARGS       lm-eval's command line with the `hf-kvcache` model and the offline tasks
     hf-kvcache report DIR...      results directories merged into one table and one quality-vs-bytes figure
+    hf-kvcache report --readme README.md   the README's preset table and plot, from the result files
     hf-kvcache plan               capacity: bytes per token and sequences that fit per method, and a recommendation
 
 Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
@@ -454,8 +455,19 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     cal.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     cal.add_argument("--no-progress", action="store_true", help="no progress bars")
-    rep = sub.add_parser("report", help="merge results directories into one table and one quality-vs-bytes figure")
-    rep.add_argument("dirs", nargs="+", metavar="DIR", help="results directories written by eval/compare")
+    rep = sub.add_parser(
+        "report", help="merge results directories into one table and figure, or render the README's figures",
+        description="With DIRs: their methods in one table and one quality-vs-bytes figure, in a new results "
+        "directory. With --readme: the README's preset table and plot, and the figures `hf-kvcache plan` cites "
+        "(hf_kvcache/data/measured.json), rendered from the result files docs/readme_sources.json names.",
+    )
+    rep.add_argument("dirs", nargs="*", metavar="DIR", help="results directories written by eval/compare")
+    rep.add_argument("--readme", default=None, metavar="PATH",
+                     help="rewrite the marked blocks of this README (e.g. README.md) from the result files")
+    rep.add_argument("--sources", default=None, metavar="PATH",
+                     help="which result file feeds which figure (default: docs/readme_sources.json beside the README)")
+    rep.add_argument("--check", action="store_true",
+                     help="with --readme: write nothing, exit 1 if the README or measured.json disagree with the files")
     rep.add_argument("--out", default="results", help="parent folder of the report's directory (default: results/)")
     rep.add_argument("--protocol", choices=("decode", "strict", "stream"), default="decode",
                      help="the figure's quality axis (default decode: each run's longest prefill, else strict, else stream)")
@@ -649,6 +661,11 @@ def calibration_ids(tokenizer, text: str | None, tokens: int):
 def _report(args: argparse.Namespace, argv: list[str]) -> int:
     from .eval import report
 
+    if args.readme is not None:
+        return _report_readme(args)
+    if not args.dirs:
+        print("hf-kvcache: error: give results directories, or --readme README.md", file=sys.stderr)
+        return 2
     missing = [d for d in args.dirs if not (Path(d) / "metrics.json").is_file()]
     if missing:
         print(f"hf-kvcache: error: not a results directory (no metrics.json): {', '.join(missing)}", file=sys.stderr)
@@ -659,15 +676,36 @@ def _report(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _report_readme(args: argparse.Namespace) -> int:
+    from .eval import report
+
+    if args.dirs:
+        print("hf-kvcache: error: --readme renders from the files the sources name: give no DIR", file=sys.stderr)
+        return 2
+    try:
+        changed = report.update_readme(args.readme, args.sources, check=args.check)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"hf-kvcache: error: {error}", file=sys.stderr)
+        return 2
+    if args.check:
+        for path in changed:
+            print(f"out of date: {path} (run hf-kvcache report --readme {args.readme})")
+        return 1 if changed else 0
+    for path in changed:
+        print(f"written: {path}")
+    return 0
+
+
 def _add_plan_parser(sub) -> None:
-    from .planner import DEFAULT_RESERVE, GPUS, SHIPPED_MODELS, WEIGHT_BYTES
+    from .planner import DEFAULT_MAX_LOSS, DEFAULT_RESERVE, GPUS, SHIPPED_MODELS, WEIGHT_BYTES
 
     plan = sub.add_parser(
         "plan",
         help="capacity: bytes per token, KV GB per sequence and sequences that fit per method, and a recommendation",
-        description="Measures every method's cache on the model's config (no weights needed) and extrapolates its "
-        "exact layout to the context; fits sequences next to the weights in the GPU's memory and recommends a "
-        "format for the GPU, citing this project's measured accuracy and speed.",
+        description="Counts every tensor each method's cache holds on the model's config (no weights needed), its "
+        "layout extrapolated exactly to the context; fits sequences next to the weights in the GPU's memory and "
+        "recommends a preset: the fewest bytes within --max-loss ΔNLL, and the fastest, citing the accuracy and "
+        "speed this project measured on a GPU.",
     )
     plan.add_argument("--model", default=None, help=f"a shipped shape ({', '.join(SHIPPED_MODELS)}; default "
                       "smollm2-135m), a local config.json or a local model directory")
@@ -680,6 +718,9 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--reserve", type=float, default=DEFAULT_RESERVE,
                       help=f"share of GPU memory kept for activations and the runtime (default {DEFAULT_RESERVE})")
     plan.add_argument("--methods", nargs="+", default=None, metavar="SPEC", help="cache specs (default: every preset)")
+    plan.add_argument("--max-loss", type=float, default=DEFAULT_MAX_LOSS, metavar="PCT",
+                      help="the ΔNLL (%%) on the measured decode protocol a recommended preset may cost "
+                      f"(default {DEFAULT_MAX_LOSS})")
     plan.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON to this file")
 
 
@@ -690,7 +731,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         result = plan(args.model, context=args.context, gpu_memory=args.gpu_memory, gpu=args.gpu, batch=args.batch,
-                      weights_dtype=args.weights_dtype, reserve=args.reserve,
+                      weights_dtype=args.weights_dtype, reserve=args.reserve, max_loss=args.max_loss,
                       methods=None if args.methods is None else split_methods(args.methods))
     except ValueError as error:
         print(f"hf-kvcache: error: {error}", file=sys.stderr)

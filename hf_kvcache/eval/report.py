@@ -9,6 +9,9 @@ rerun never overwrites), holding
     table.md          `format_table(table_rows(metrics))`
     ppl_vs_bytes.png  `plot_ppl_vs_bytes(table_rows(metrics), path)`
 
+`hf-kvcache report --readme README.md` renders the README's preset table and plot, and the figures `hf-kvcache plan`
+cites, from the result files `docs/readme_sources.json` names (`update_readme`, `hf_kvcache.eval.figures`).
+
 The table and plot functions take rows, not directories, so a report over several runs can concatenate
 `table_rows(load_results(d)[0])` of each and reuse them. Deltas are always taken against the baseline of
 the same run (`metrics["baseline"]`), never across runs.
@@ -27,7 +30,10 @@ import math
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
+
+from .figures import load_figures, measured_figures
 
 __all__ = [
     "TABLE_NOTE",
@@ -38,9 +44,16 @@ __all__ = [
     "headline",
     "load_results",
     "plot_ppl_vs_bytes",
+    "plot_quality_vs_bytes",
+    "presets_table",
+    "readme_blocks",
+    "render_readme",
+    "report_rows",
     "results_dir_name",
     "safe_label",
     "table_rows",
+    "update_readme",
+    "write_report",
     "write_results",
 ]
 
@@ -347,20 +360,25 @@ def plot_quality_vs_bytes(rows: list[dict], path: str | os.PathLike, *, protocol
     fig, ax = plt.subplots(figsize=(8.0, 5.5), dpi=120)
     try:
         ax.axhline(0.0, color="0.6", lw=0.8)
-        families: dict[str, list[tuple[float, float, str]]] = {}
+        families: dict[str, list[tuple[float, float, str, float]]] = {}
         extras = []
         for r in rows:
             x = r.get("bytes_ratio")
             y = headline(r)[1] if protocol == "decode" else r.get(f"{protocol}_delta_pct")
             if x is None or y is None or r["method"] == "none":
                 continue
+            cells = r.get("decode") or {}
+            half = (cells[max(cells, key=int)].get("half_width") if protocol == "decode" and cells else None) or 0.0
             (extras if ":" in r["method"] else families.setdefault(_family(r["method"]), [])).append(
-                (x, y, r["method"]))
+                (x, y, r["method"], half))
         for i, (family, points) in enumerate(sorted(families.items())):
             points.sort()
             color = f"C{i % 10}"
-            ax.plot([p[0] for p in points], [p[1] for p in points], "-o", color=color, ms=5, label=family)
-            for x, y, name in points:
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, "-o", color=color, ms=5, label=family)
+            if any(p[3] for p in points):  # the 95% interval over windows
+                ax.errorbar(xs, ys, yerr=[p[3] for p in points], fmt="none", ecolor=color, elinewidth=0.8, capsize=2)
+            for x, y, name, _ in points:
                 ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
         if extras:  # ablations and variants: unlabelled here (they would crowd the lines), named in the table
             ax.scatter([e[0] for e in extras], [e[1] for e in extras], s=30, facecolors="none", edgecolors="0.4",
@@ -390,3 +408,138 @@ def write_report(dirs: list[str | os.PathLike], out: str | os.PathLike, *, proto
     _write_json(path / "config.json", {"command": "report", "runs": [str(d) for d in dirs], "protocol": protocol,
                                        **environment(argv)})
     return path
+
+
+# ------------------------------------------------------------------------------------------------ the README's figures
+
+# A block the README leaves to `update_readme`: `<!-- hf-kvcache:table presets -->` ... `<!-- /hf-kvcache:table -->`
+# (likewise `plot`); everything between the markers is rewritten.
+_BLOCK = re.compile(r"(<!-- hf-kvcache:(?P<kind>table|plot) (?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+                    r"(<!-- /hf-kvcache:(?P=kind) -->)", re.DOTALL)
+
+
+def _files(paths: dict[str, list[str]]) -> str:
+    return "; ".join(f"`{path}` ({', '.join(presets)})" for path, presets in paths.items())
+
+
+def _speed_cell(points: list[dict], column: dict) -> str:
+    for p in points:
+        if p["what"] == column["what"] and (p["batch"], p["context"]) == (column["batch"], column["context"]):
+            return f"x{p['vs_dynamic_chunked' if p['what'] == 'prefill' else 'vs_dynamic']:.2f}"
+    return "-"
+
+
+def _column_label(column: dict) -> str:
+    size = f"batch {column['batch']} x {_length_label(str(column['context']))}"
+    return f"decode, {size}" if column["what"] == "decode" else f"prefill, {size}"
+
+
+def presets_table(figures) -> str:
+    """The README's preset table (`figures`: `hf_kvcache.eval.figures.load_figures`), then what each column is, where
+    it was measured and from which file."""
+    acc, speed, size = figures.sources["accuracy"], figures.sources["speed"], figures.sources["bytes"]
+    header = ["preset", "bytes vs bf16", f"ΔNLL % (P={acc['prefill']})", "KL", "top-1",
+              *(_column_label(c) for c in figures.columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for p in figures.presets:
+        a = figures.accuracy[p]
+        cell = {"delta_pct": a["delta_pct"], "half_width": a["half_width"]}
+        lines.append("| " + " | ".join([
+            f"`{p}`", f"{figures.bytes[p]:.3f}x", _delta_cell(cell), f"{a['kl']:.4f}", f"{a['top1']:.1%}",
+            *(_speed_cell(figures.speed.get(p, []), c) for c in figures.columns)]) + " |")
+    by_file: dict[str, list[str]] = {}
+    for p in figures.presets:
+        spec = figures.accuracy[p]["spec"]
+        by_file.setdefault(figures.accuracy[p]["source"], []).append(f"`{p}`" + ("" if spec == p else f" as `{spec}`"))
+    speed_files: dict[str, list[str]] = {}
+    for c in figures.columns:
+        speed_files.setdefault(c["path"], []).append(_column_label(c))
+    e2e = next((c for c in figures.columns if c.get("layers")), None)
+    model = (f"{e2e['layers']} decoder layers of the Llama-3-8B shape with random weights, {e2e['new_tokens']} new "
+             "tokens, " if e2e else "")
+    notes = [
+        (f"**Accuracy**: the decode protocol ([docs/evaluation.md](docs/evaluation.md)): a prefill of {acc['prefill']} "
+         f"tokens through the cache, then {acc['decode_tokens']} tokens decoded one at a time, on {acc['windows']} "
+         f"windows of the dev corpus; {acc['model']} on an {acc['platform']} in {acc['dtype']}, attention "
+         f"`{acc['attention']}` (the fused kernels). ΔNLL: change of the decoded tokens' mean NLL against the 16-bit "
+         "cache on the same windows, ± the 95% interval over windows; KL: mean KL(16-bit || cache) of the next-token "
+         f"distributions, nats; top-1: agreement of the most likely token. From {_files(by_file)}."),
+        (f"**Bytes**: every tensor one sequence's cache holds after a {size['context']}-token prompt (its tokens, the "
+         "capacity left unfilled, rotations and codebooks), against a bf16 cache: `hf-kvcache plan --model "
+         f"{size['model']} --context {size['context']}` ({size['dtype']}, computed, not measured on a GPU)."),
+    ]
+    if figures.columns:
+        notes.append(
+            f"**Speed**: `model.generate` as users call it on an {speed['platform']} in {speed['dtype']}: {model}"
+            f"a 32k-token prompt, {speed['mode']} (no `max_cache_len`); DynamicCache's time divided by the cache's, "
+            "measured in the same run (x2.00: twice as fast); decode: the median step; prefill: the prompt in chunks "
+            f"(`prefill_chunk_size`) against DynamicCache chunked alike. From {_files(speed_files)}.")
+    if figures.missing:
+        notes.append("Not measured yet: " + "; ".join(figures.missing) + ".")
+    return "\n".join(lines) + "\n\n" + "\n\n".join(notes)
+
+
+def figure_rows(figures) -> list[dict]:
+    """The presets as `table_rows` gives them (bytes ratio, the decode cell at the config's prefill), for the plot."""
+    prefill = str(figures.sources["accuracy"]["prefill"])
+    return [{"method": p, "model": figures.sources["accuracy"]["model"], "bytes_ratio": figures.bytes[p],
+             "decode": {prefill: figures.accuracy[p]}} for p in figures.presets]
+
+
+def readme_blocks(figures) -> dict[str, str]:
+    """`{block name: markdown}` of every block the README leaves to `update_readme`."""
+    acc = figures.sources["accuracy"]
+    plot = figures.sources["plot"]
+    return {
+        "presets": presets_table(figures),
+        "bytes-vs-dnll": (
+            f"![ΔNLL against bytes per token, every preset]({plot})\n\n"
+            f"ΔNLL (decode protocol, P={acc['prefill']}, {acc['windows']} windows, ± the 95% interval) against the "
+            f"bytes of every tensor the cache holds at {figures.sources['bytes']['context']} tokens; "
+            f"{acc['model']}, {acc['platform']}, {acc['dtype']}, the fused kernels; the table's files."),
+    }
+
+
+def render_readme(text: str, blocks: dict[str, str]) -> str:
+    """`text` with every marked block's body replaced by `blocks[name]` (a ValueError for an unknown block, or for a
+    block of `blocks` the text lacks)."""
+    found = set()
+
+    def body(m: re.Match) -> str:
+        name = m["name"]
+        if name not in blocks:
+            raise ValueError(f"the README marks a block {name!r}; known blocks: {', '.join(blocks)}")
+        found.add(name)
+        return f"{m.group(1)}{blocks[name]}\n{m.group(5)}"
+
+    out = _BLOCK.sub(body, text)
+    if set(blocks) - found:
+        raise ValueError(f"the README has no block {', '.join(sorted(set(blocks) - found))} (markers like "
+                         "`<!-- hf-kvcache:table presets -->` ... `<!-- /hf-kvcache:table -->`)")
+    return out
+
+
+def update_readme(readme: str | os.PathLike, sources: str | os.PathLike | None = None, *,
+                  check: bool = False) -> list[Path]:
+    """Render the README's blocks, its plot and `hf_kvcache/data/measured.json` from the result files `sources`
+    names (default `docs/readme_sources.json` beside the README). Returns the files that changed; with `check`,
+    writes nothing and returns the text files that would change (the plot is not compared: its pixels depend on the
+    matplotlib version)."""
+    readme = Path(readme)
+    root = readme.resolve().parent
+    figures = load_figures(root, sources)
+    texts = {readme: render_readme(readme.read_text(), readme_blocks(figures)),
+             root / figures.sources["measured"]: json.dumps(measured_figures(figures), indent=1) + "\n"}
+    changed = [path for path, text in texts.items() if not path.is_file() or path.read_text() != text]
+    if check:
+        return changed
+    for path in changed:
+        path.write_text(texts[path])
+    plot, acc = root / figures.sources["plot"], figures.sources["accuracy"]
+    with tempfile.TemporaryDirectory() as tmp:
+        image = plot_quality_vs_bytes(figure_rows(figures), Path(tmp) / plot.name,
+                                      title=f"decode P={acc['prefill']}, {acc['platform']} {acc['dtype']}").read_bytes()
+    if not plot.is_file() or plot.read_bytes() != image:
+        plot.write_bytes(image)
+        changed.append(plot)
+    return changed

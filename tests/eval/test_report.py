@@ -1,22 +1,32 @@
-"""Results directories (named from the config, never overwritten), the table and the plot."""
+"""Results directories (named from the config, never overwritten), the table and the plot; the README's preset table
+and plot, and the figures `hf-kvcache plan` cites, against the result files they come from."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+from hf_kvcache import cli
+from hf_kvcache.eval.figures import load_figures, measured_figures
 from hf_kvcache.eval.report import (
     create_results_dir,
     format_table,
     load_results,
     plot_ppl_vs_bytes,
+    presets_table,
+    readme_blocks,
+    render_readme,
     results_dir_name,
     safe_label,
     table_rows,
     write_results,
 )
+from hf_kvcache.footprint import Measure
+from hf_kvcache.planner import load_config, measured
 
 
 def method(spec, stream=None, paper=None, ratio=None, passkey=None, decode=None):
@@ -124,3 +134,115 @@ def test_plot_survives_missing_measurements(tmp_path):
         {"model": "m", "baseline": "none", "methods": [method("none"), method("int8", ratio=0.5)]}
     )
     assert plot_ppl_vs_bytes(rows, tmp_path / "empty.png").exists()
+
+
+# ------------------------------------------------------------------------------------------------ the README's figures
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def figures():
+    """The figures of the README's preset table, read from the files docs/readme_sources.json names."""
+    return load_figures(ROOT)
+
+
+def test_readme_agrees_with_the_result_files(figures):
+    """Every figure of the README's marked blocks is what the result files say: rendered in memory, compared."""
+    text = (ROOT / "README.md").read_text()
+    assert render_readme(text, readme_blocks(figures)) == text, (
+        "README.md disagrees with the result files docs/readme_sources.json names: run "
+        "`hf-kvcache report --readme README.md`")
+
+
+def test_plan_cites_the_same_figures(figures):
+    """`hf-kvcache plan` reads hf_kvcache/data/measured.json, which the same command writes from the same files."""
+    assert measured() == measured_figures(figures), (
+        "hf_kvcache/data/measured.json disagrees with the result files: run `hf-kvcache report --readme README.md`")
+
+
+def test_presets_read_under_another_spec_store_what_the_preset_stores(figures):
+    """A preset read under the spec it had in an older run (`turboquant-4` as `turboquant-4:residual_length=64,
+    sink_tokens=1`) stored, in that run, the bytes the preset stores now: the same layout."""
+    acc = figures.sources["accuracy"]
+    _, config = load_config("smollm2-135m")
+    measure = Measure(config, torch.bfloat16)
+    for preset, a in figures.accuracy.items():
+        if a["spec"] == preset:
+            continue
+        entry = next(m for m in json.loads((ROOT / a["source"]).read_text())["methods"] if m["spec"] == a["spec"])
+        tokens = acc["prefill"] + acc["decode_tokens"]
+        assert measure.footprint(preset, tokens).held / tokens == entry["memory"]["bytes_per_token"], preset
+
+
+def test_blocks_are_replaced_between_their_markers():
+    text = ("# x\n<!-- hf-kvcache:table presets -->\nold\n<!-- /hf-kvcache:table -->\nkept\n"
+            "<!-- hf-kvcache:plot bytes-vs-dnll -->\n<!-- /hf-kvcache:plot -->\n")
+    out = render_readme(text, {"presets": "| a |", "bytes-vs-dnll": "![p](p.png)"})
+    assert out == ("# x\n<!-- hf-kvcache:table presets -->\n| a |\n<!-- /hf-kvcache:table -->\nkept\n"
+                   "<!-- hf-kvcache:plot bytes-vs-dnll -->\n![p](p.png)\n<!-- /hf-kvcache:plot -->\n")
+    assert render_readme(out, {"presets": "| a |", "bytes-vs-dnll": "![p](p.png)"}) == out
+    with pytest.raises(ValueError, match="no block bytes-vs-dnll"):
+        render_readme(text.split("kept")[0], {"presets": "", "bytes-vs-dnll": ""})
+    with pytest.raises(ValueError, match="marks a block 'other'"):
+        render_readme(text.replace("presets", "other"), {"presets": "", "bytes-vs-dnll": ""})
+
+
+def _eval_run(root: Path) -> None:
+    run = root / "results" / "run"
+    run.mkdir(parents=True)
+    (run / "eval.log").write_text(
+        "none:  decode 256: nll 2.1981  1.000x bytes\n"
+        "int8:  decode 256: nll +0.11% +-0.11 kl 0.0024 top-1 97.4%  0.516x bytes\n"
+        "int4-g32:  decode 256: nll +2.55% +-0.65 kl 0.0521 top-1 90.2%  0.312x bytes\n")
+    rows = [{"method": m, "mode": "eager", "batch": b, "context": 4096, "step_ms": 1.0, "vs_dynamic": v}
+            for m, b, v in (("dynamic", 16, 1.0), ("int8", 16, 2.5), ("int8", 1, 1.1), ("int4-g32", 16, 1.5))]
+    prefill = [{"method": m, "batch": 16, "context": 4096, "chunk": 512, "prefill_s": 1.0, "vs_dynamic_chunked": v,
+                "vs_dynamic": v / 2} for m, v in (("dynamic", 1.0), ("int8", 0.9))]
+    (run / "bench.json").write_text(json.dumps({"env": {"gpu": "GPU X"}, "e2e": {"layers": 2, "new_tokens": 8,
+                                                                                "rows": rows},
+                                                "prefill": {"rows": prefill}}))
+    (root / "docs").mkdir()
+    (root / "docs" / "readme_sources.json").write_text(json.dumps({
+        "accuracy": {"model": "m", "platform": "GPU X", "dtype": "bfloat16", "attention": "hf_kvcache",
+                     "prefill": 256, "windows": 4, "decode_tokens": 8,
+                     "files": [{"path": "results/run/eval.log", "presets": ["int8", "int4-g32"]}]},
+        "bytes": {"model": "smollm2-135m", "context": 256, "dtype": "bfloat16"},
+        "speed": {"platform": "GPU X", "dtype": "bfloat16", "mode": "eager",
+                  "decode": [{"batch": 1, "context": 4096, "path": "results/run/bench.json"},
+                             {"batch": 16, "context": 4096, "path": "results/run/bench.json"},
+                             {"batch": 64, "context": 4096, "path": "results/run/bench.json"}],
+                  "prefill": [{"batch": 16, "context": 4096, "chunk": 512, "path": "results/run/bench.json"}]},
+        "plot": "docs/plot.png", "measured": "measured.json"}))
+    (root / "README.md").write_text("# r\n<!-- hf-kvcache:table presets -->\n<!-- /hf-kvcache:table -->\n"
+                                    "<!-- hf-kvcache:plot bytes-vs-dnll -->\n<!-- /hf-kvcache:plot -->\n")
+
+
+def test_a_new_bench_file_fills_its_columns(tmp_path):
+    """Decode at each batch and prefill in chunks come from the bench JSON the config names; a size the file lacks
+    is left out and said so, not filled in."""
+    _eval_run(tmp_path)
+    figures = load_figures(tmp_path)
+    assert figures.presets == ["int8", "int4-g32"] and figures.accuracy["int8"]["top1"] == pytest.approx(0.974)
+    assert [(c["what"], c["batch"]) for c in figures.columns] == [("decode", 1), ("decode", 16), ("prefill", 16)]
+    assert figures.missing == ["decode at batch 64 x 4k (`results/run/bench.json` has no eager row at that size)"]
+    lines = presets_table(figures).splitlines()
+    assert lines[0] == ("| preset | bytes vs bf16 | ΔNLL % (P=256) | KL | top-1 | decode, batch 1 x 4k | "
+                        "decode, batch 16 x 4k | prefill, batch 16 x 4k |")
+    assert lines[2].startswith("| `int8` | 0.") and lines[2].endswith("| +0.11 ± 0.11 | 0.0024 | 97.4% | x1.10 | "
+                                                                       "x2.50 | x0.90 |")
+    assert lines[3].endswith("| x1.50 | - |")
+    assert "GPU X" in presets_table(figures) and "2 decoder layers" in presets_table(figures)
+
+
+def test_report_readme_writes_then_checks(tmp_path, capsys):
+    _eval_run(tmp_path)
+    readme = str(tmp_path / "README.md")
+    assert cli.main(["report", "--readme", readme, "--check"]) == 1
+    assert "out of date" in capsys.readouterr().out
+    assert cli.main(["report", "--readme", readme]) == 0
+    assert cli.main(["report", "--readme", readme, "--check"]) == 0
+    assert "| `int4-g32` |" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "docs" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "measured.json").read_text())["speed"]["methods"]["int8"][0]["vs_dynamic"] == 1.1
+    assert cli.main(["report", "--readme", readme, str(tmp_path)]) == 2
