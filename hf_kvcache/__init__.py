@@ -4,6 +4,7 @@ Importing the package registers the `hf_kvcache` attention (and its mask functio
 `attn_implementation="hf_kvcache"` reads the packed cache directly.
 """
 
+from ._compat import cache_kwargs
 from .attention import ATTENTION_NAME, register as _register_attention
 from .cache import Codec, KVHandle, LayerPolicy, QuantizedKVCache, QuantizedKVLayer
 from .methods.exact import ExactCache
@@ -36,6 +37,7 @@ __all__ = [
     "QuantizedKVLayer",
     "RotatedCache",
     "TurboQuantCache",
+    "cache_kwargs",
     "describe",
     "load_model",
     "make_cache",
