@@ -406,8 +406,9 @@ def _accuracy_text(entry: dict | None) -> str:
 def _point_text(point: dict) -> str:
     where = f"batch {point['batch']} x {_length(point['context'])}"
     if point["what"] == "prefill":
-        return (f"prefill in chunks of {point['chunk']} x{point['vs_dynamic_chunked']:.2f} at {where} "
-                f"(x{point['vs_dynamic']:.2f} against DynamicCache unchunked)")
+        unchunked = point.get("vs_dynamic")
+        return (f"prefill in chunks of {point['chunk']} x{point['vs_dynamic_chunked']:.2f} at {where}"
+                + ("" if unchunked is None else f" (x{unchunked:.2f} against DynamicCache unchunked)"))
     return f"decode x{point['vs_dynamic']:.2f} at {where}"
 
 
@@ -462,7 +463,7 @@ def _recommend(rows: dict[str, MethodPlan], gpu: GPU | None, context: int, batch
         fitting = [s for s in candidates if rows[s].fits_batch]
         if fitting:
             pick = min(fitting, key=lambda s: loss[s])
-            why = f"no preset {budget}: the most accurate that does"
+            why = f"no preset within {max_loss:g}% ΔNLL fits batch {batch}{hardware}: the most accurate that does"
         else:
             pick = max(candidates, key=lambda s: rows[s].max_sequences)
             why = f"no preset fits batch {batch}: the one that holds the most sequences"

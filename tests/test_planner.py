@@ -249,7 +249,7 @@ def test_tight_memory_gets_the_most_accurate_preset_that_fits():
     (rec,) = p.recommendations
     fitting = [s for s in _candidates(p, fp8=False) if p.row(s).fits_batch]
     assert rec.kind == "memory" and rec.spec == min(fitting, key=_loss)
-    assert "no preset within 0.1% ΔNLL that fit batch 1" in p.format()
+    assert "no preset within 0.1% ΔNLL fits batch 1 (FP8 left out: ada): the most accurate that does" in p.format()
     crowded = plan("llama-3-8b", context="128k", gpu="l4", batch=500)
     (rec,) = crowded.recommendations
     assert rec.spec == max(_candidates(crowded, fp8=False), key=lambda s: crowded.row(s).max_sequences)

@@ -159,11 +159,19 @@ def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], lis
             e2e = bench.get("e2e") or {}
             columns.append({**col, "what": what, "layers": e2e.get("layers"), "new_tokens": e2e.get("new_tokens"),
                              "date": bench.get("env", {}).get("date")})
+            seen = set()
             for r in rows:
+                if r["method"] in seen:
+                    raise ValueError(f"{col['path']}: two {what} rows of {r['method']!r} at batch {col['batch']} x "
+                                     f"{col['context']}; name a file with one a size, or a narrower column")
+                seen.add(r["method"])
+                ratio = r.get("vs_dynamic_chunked" if what == "prefill" else "vs_dynamic")
+                if ratio is None:  # a call that ran out of memory (its own or DynamicCache's): no ratio to show
+                    continue
                 point = {"what": what, "batch": col["batch"], "context": col["context"],
-                         "vs_dynamic": r["vs_dynamic"], "source": col["path"]}
+                         "vs_dynamic": r.get("vs_dynamic"), "source": col["path"]}
                 if what == "prefill":
-                    point.update(chunk=col["chunk"], vs_dynamic_chunked=r["vs_dynamic_chunked"])
+                    point.update(chunk=col["chunk"], vs_dynamic_chunked=ratio)
                 points.setdefault(r["method"], []).append(point)
     return points, columns, missing
 

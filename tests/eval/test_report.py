@@ -155,6 +155,16 @@ def test_readme_agrees_with_the_result_files(figures):
         "`hf-kvcache report --readme README.md`")
 
 
+def test_readme_opens_with_the_set_up_commands_and_stays_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail to docs/"
+    first_block = lines[lines.index("```bash") + 1 : lines.index("```")]
+    assert lines.index("```bash") < 5 and [line.split()[:2] for line in first_block[:2]] == [["make", "demo"],
+                                                                                            ["make", "test"]]
+    for link in ("docs/methods.md", "docs/evaluation.md", "docs/design.md", "BENCHMARKS.md"):
+        assert f"]({link})" in "\n".join(lines) and (ROOT / link).is_file(), link
+
+
 def test_plan_cites_the_same_figures(figures):
     """`hf-kvcache plan` reads hf_kvcache/data/measured.json, which the same command writes from the same files."""
     assert measured() == measured_figures(figures), (
