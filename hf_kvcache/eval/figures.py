@@ -6,7 +6,7 @@ The config (paths relative to the repository's root, the folder holding README.m
     {"accuracy": {"model", "platform", "dtype", "attention", "prefill", "windows", "decode_tokens",
                   "files": [{"path": metrics.json or an eval log, "presets": [spec, ...] or {preset: spec in the run}}]},
      "bytes": {"model": a shipped shape of the planner, "context": tokens, "dtype"},
-     "speed": {"platform", "dtype", "mode": "eager",
+     "speed": {"platform", "dtype", "mode": "eager", ("attention": the methods' rows' `attention`, e.g. "sdpa"),
                "decode": [{"batch", "context", "path": bench JSON}, ...],
                "prefill": [{"batch", "context", "chunk", "path": bench JSON}, ...]},
      "plot": path of the figure, "measured": path of hf_kvcache/data/measured.json}
@@ -140,6 +140,7 @@ def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], lis
     present when its file holds its section (decode: `e2e.rows` in `mode`; prefill: `prefill.rows`); a preset missing
     from a present column is unmeasured there."""
     speed = sources["speed"]
+    attention = speed.get("attention")  # the methods' rows of a bench run under several attentions: which one
     points: dict[str, list[dict]] = {}
     columns, missing = [], []
     for what in ("decode", "prefill"):
@@ -150,7 +151,8 @@ def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], lis
                 raise ValueError(f"{col['path']}: measured on {gpu!r}, {SOURCES} says {speed['platform']!r}")
             rows = [r for r in _bench_rows(bench, what) if (r.get("batch"), r.get("context")) ==
                     (col["batch"], col["context"]) and r.get("mode", speed["mode"]) == speed["mode"]
-                    and (what == "decode" or r.get("chunk") == col["chunk"])]
+                    and (what == "decode" or r.get("chunk") == col["chunk"])
+                    and (r["method"] == "dynamic" or r.get("attention", attention) == attention)]
             label = f"{what} at batch {col['batch']} x {col['context'] // 1024}k"
             if not rows:
                 lacks = f"no {speed['mode']} row at that size" if what == "decode" else "no `prefill` section"

@@ -471,7 +471,9 @@ def presets_table(figures) -> str:
     if figures.columns:
         notes.append(
             f"**Speed**: `model.generate` as users call it on an {speed['platform']} in {speed['dtype']}: {model}"
-            f"a 32k-token prompt, {speed['mode']} (no `max_cache_len`); DynamicCache's time divided by the cache's, "
+            f"a 32k-token prompt, {speed['mode']} (no `max_cache_len`)"
+            + (f", the caches under attention `{speed['attention']}`" if speed.get("attention") else "")
+            + "; DynamicCache's time divided by the cache's, "
             "measured in the same run (x2.00: twice as fast); decode: the median step; prefill: the prompt in chunks "
             f"(`prefill_chunk_size`) against DynamicCache chunked alike. From {_files(speed_files)}.")
     if figures.missing:

@@ -205,10 +205,14 @@ def _eval_run(root: Path) -> None:
         "none:  decode 256: nll 2.1981  1.000x bytes\n"
         "int8:  decode 256: nll +0.11% +-0.11 kl 0.0024 top-1 97.4%  0.516x bytes\n"
         "int4-g32:  decode 256: nll +2.55% +-0.65 kl 0.0521 top-1 90.2%  0.312x bytes\n")
-    rows = [{"method": m, "mode": "eager", "batch": b, "context": 4096, "step_ms": 1.0, "vs_dynamic": v}
-            for m, b, v in (("dynamic", 16, 1.0), ("int8", 16, 2.5), ("int8", 1, 1.1), ("int4-g32", 16, 1.5))]
-    prefill = [{"method": m, "batch": 16, "context": 4096, "chunk": 512, "prefill_s": 1.0, "vs_dynamic_chunked": v,
-                "vs_dynamic": v / 2} for m, v in (("dynamic", 1.0), ("int8", 0.9))]
+    # as `hf-kvcache bench --parts e2e,prefill --attentions sdpa,hf_kvcache --json` writes them
+    rows = [{"method": m, "mode": "eager", "attention": a, "batch": b, "context": 4096, "step_ms": 1.0,
+             "vs_dynamic": v}
+            for m, a, b, v in (("dynamic", "sdpa", 16, 1.0), ("int8", "sdpa", 16, 2.5), ("int8", "hf_kvcache", 16, 2.7),
+                               ("int8", "sdpa", 1, 1.1), ("int4-g32", "sdpa", 16, 1.5))]
+    prefill = [{"method": m, "batch": 16, "context": 4096, "chunk": c, "prefill_s": 1.0, "vs_dynamic_chunked": v,
+                "vs_dynamic": v / 2} for m, c, v in (("dynamic", None, 0.8), ("dynamic", 512, 1.0), ("int8", 512, 0.9))]
+    prefill.append({"method": "int4-g32", "batch": 16, "chunk": 512, "oom": True})
     (run / "bench.json").write_text(json.dumps({"env": {"gpu": "GPU X"}, "e2e": {"layers": 2, "new_tokens": 8,
                                                                                 "rows": rows},
                                                 "prefill": {"rows": prefill}}))
@@ -218,7 +222,7 @@ def _eval_run(root: Path) -> None:
                      "prefill": 256, "windows": 4, "decode_tokens": 8,
                      "files": [{"path": "results/run/eval.log", "presets": ["int8", "int4-g32"]}]},
         "bytes": {"model": "smollm2-135m", "context": 256, "dtype": "bfloat16"},
-        "speed": {"platform": "GPU X", "dtype": "bfloat16", "mode": "eager",
+        "speed": {"platform": "GPU X", "dtype": "bfloat16", "mode": "eager", "attention": "sdpa",
                   "decode": [{"batch": 1, "context": 4096, "path": "results/run/bench.json"},
                              {"batch": 16, "context": 4096, "path": "results/run/bench.json"},
                              {"batch": 64, "context": 4096, "path": "results/run/bench.json"}],
@@ -243,6 +247,7 @@ def test_a_new_bench_file_fills_its_columns(tmp_path):
                                                                        "x2.50 | x0.90 |")
     assert lines[3].endswith("| x1.50 | - |")
     assert "GPU X" in presets_table(figures) and "2 decoder layers" in presets_table(figures)
+    assert "the caches under attention `sdpa`" in presets_table(figures)
 
 
 def test_report_readme_writes_then_checks(tmp_path, capsys):
