@@ -5,15 +5,20 @@ the device, so its launches do not change from step to step: the layer runs it e
 graph, and from then on replays the graph, one launch instead of five to eight with their Python (measured on an
 H200: 32-63 us of host time a layer step instead of 590-2000 us, BENCHMARKS.md 2026-12-02). `GraphPools` holds the
 memory pool the graphs of one cache share on each device: a layer's graph keeps only its output between replays,
-and layers run one after another, so their temporaries can share memory.
+and layers run one after another, so their temporaries can share memory. `GraphedDecodeStep` is the layer's side:
+whether a step can replay, its capture and its replays.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
+
+from . import kernels
 
 
 def enabled() -> bool:
@@ -73,3 +78,127 @@ class GraphPools:
         pool.live += 1
         weakref.finalize(graph, pool.released)
         return graph, out
+
+
+class _StepInputs:
+    """The fixed buffers a layer's CUDA-graphed decode steps read: this step's key and value `(B, Hkv, 1, D)` (one
+    pair a layer), and per captured graph its query `(B, Hq, 1, D)` and mask `(B, 1, 1, capacity)` (`_Graph`)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k = torch.empty_like(k, memory_format=torch.contiguous_format)
+        self.v = torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+@dataclass
+class _Graph:
+    """A captured decode step: the storage version it was captured at, the graph, its output and its input buffers."""
+
+    version: int
+    q: torch.Tensor
+    mask: torch.Tensor | None
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None
+
+
+class GraphedDecodeStep:
+    """The CUDA-graphed decode step of a `QuantizedKVLayer` (`hf_kvcache.layer`), one of its base classes: these
+    methods read and write the layer's storage, length and version, and own the step's state, which the layer sets up
+    with the rest of a sequence's (`_forget`): the buffers `_inputs`, the captured `_graphs`, `_replayable` (whether
+    this storage version can replay), and the token `update` left for the graph (`_step_kv`, `_pending`).
+
+    `update` of one token calls `_can_replay`; when it can, the token waits in `_step_kv` and the attention calls
+    `replay`, which stores it, advances the length and attends in one graph replay."""
+
+    def _can_replay(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether this decode step can run as a CUDA graph: CUDA, the fused path and its kernels, no per-sequence
+        statistic still to observe, nothing offloaded, and not inside someone else's capture."""
+        if not (self.cuda_graphs and self.fused and key_states.is_cuda and not self._offloaded and enabled()
+                and kernels.use_kernels(key_states.device)) or torch.cuda.is_current_stream_capturing():
+            return False
+        if self._replayable is None or self._replayable[0] != self._version:
+            views = self._streams["keys"].kernel_view(), self._streams["values"].kernel_view()
+            ok = (None not in views and not any(s.codec.observing for s in self._streams.values())
+                  and kernels.ops.supports(*views, key_states, static=True) is None)
+            self._replayable = (self._version, ok)
+        if not self._replayable[1]:
+            return False
+        if self._inputs is None or self._inputs.k.shape != key_states.shape or self._inputs.v.shape != value_states.shape:
+            self._inputs = _StepInputs(key_states, value_states)
+            self._version += 1  # a captured step reads the old buffers
+        return True
+
+    def _take_step_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, self._step_kv = self._step_kv, None
+        return kv
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending
+
+    def replay(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+               softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor | None:
+        """The pending decode step: store the token `update` left in `_inputs`, advance the length and attend, from
+        this layer's CUDA graph for these inputs (the first time: eagerly, then captured) -> `(B, 1, Hq, D)`, a buffer
+        the next replay overwrites. None when the step cannot be a graph (a float mask): then it is stored eagerly."""
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            self.write_pending()
+            return None
+        self._pending = False
+        new_kv = self._take_step_kv()
+        key = (float(scaling), softcap, None if s_aux is None else s_aux.data_ptr(), tuple(query.shape), query.dtype,
+               None if attention_mask is None else tuple(attention_mask.shape[:3]), self.quantize_before_attention)
+        entry = self._graphs.get(key)
+        if entry is not None and entry.version == self._version:
+            if self.device.index != torch.cuda.current_device():
+                with torch.cuda.device(self.device):
+                    self._replay(entry, query, new_kv, attention_mask)
+            else:
+                self._replay(entry, query, new_kv, attention_mask)
+            return entry.out
+        # This storage version's first step of this shape: run it eagerly (it compiles the kernels), then capture it
+        # for the next ones, over buffers of its own.
+        mask = None
+        if attention_mask is not None:
+            mask = torch.zeros((*attention_mask.shape[:3], self.capacity), dtype=torch.bool, device=self.device)
+            mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
+        torch._foreach_copy_([self._inputs.k, self._inputs.v], new_kv)
+        entry = _Graph(self._version, query.contiguous().clone(), mask)
+        out = self._graph_step(entry, scaling, softcap, s_aux)
+        try:
+            entry.graph, entry.out = self.graph_pools.capture(
+                self.device, lambda: self._graph_step(entry, scaling, softcap, s_aux))
+        except RuntimeError as error:
+            warnings.warn(f"hf_kvcache: a decode step could not be captured in a CUDA graph "
+                          f"({str(error).splitlines()[0]}); this layer runs its steps eagerly from now on",
+                          RuntimeWarning, stacklevel=2)
+            self.cuda_graphs = False
+            return out
+        self._graphs = {k: v for k, v in self._graphs.items() if v.version == self._version}
+        self._graphs[key] = entry
+        return out
+
+    def _replay(self, entry: _Graph, query: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None) -> None:
+        # the query and the new K/V into the graph's buffers in one launch, not three (each launch costs host time)
+        torch._foreach_copy_([entry.q, self._inputs.k, self._inputs.v], [query, *new_kv])
+        if attention_mask is not None:
+            entry.mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
+        entry.graph.replay()
+
+    def _graph_step(self, entry: _Graph, scaling: float, softcap: float | None,
+                    s_aux: torch.Tensor | None) -> torch.Tensor:
+        """One decode step from `_inputs` and `entry`'s buffers, device work only (what a CUDA graph records): store the
+        token at the length, advance it, attend with the kernels (every length read from the device)."""
+        inputs = self._inputs
+        k = inputs.k
+        if self.policy.key_rotation is not None:
+            k = self.policy.key_rotation.apply(k)
+        p = self.length + torch.arange(1, device=self.device)
+        self._streams["keys"].write(k, p, self.pad_lengths, self._first_position)
+        self._streams["values"].write(inputs.v, p, self.pad_lengths, self._first_position)
+        self.length.add_(1)
+        keys, values = self._streams["keys"].kernel_view(), self._streams["values"].kernel_view()
+        return kernels.ops.static_decode_attention(
+            self.rotate_query(entry.q), keys, values, k, inputs.v, self.static_layout(),
+            exact_new=not self.quantize_before_attention, attention_mask=entry.mask, scaling=scaling, softcap=softcap,
+            s_aux=s_aux)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import hf_kvcache.cache as cache_module
+import hf_kvcache.layer as layer_module
 from hf_kvcache.cache import KVHandle, LayerPolicy, QuantizedKVLayer
 from tests.helpers.lossless import LosslessCodec
 
@@ -78,13 +78,13 @@ class LayerMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
         # The sliding layer trims in bulk once it holds a margin's worth beyond its window (64 in the library);
         # small margins make windows trim (and crops reach their limit) within a 30-step sequence.
-        margin=st.sampled_from([1, 2, 3, 8, cache_module._SLIDING_CROP_MARGIN]),
+        margin=st.sampled_from([1, 2, 3, 8, layer_module._SLIDING_CROP_MARGIN]),
         quantize_before_attention=st.booleans(),
         pinned=st.booleans(),
     )
     def build(self, layout, batch, heads, seed, margin, quantize_before_attention, pinned):
-        self.saved_margin = cache_module._SLIDING_CROP_MARGIN
-        cache_module._SLIDING_CROP_MARGIN = margin
+        self.saved_margin = layer_module._SLIDING_CROP_MARGIN
+        layer_module._SLIDING_CROP_MARGIN = margin
         self.layout = layout
         self.pinned = pinned
         # A pinned capacity keeps every token of a sliding layer (its mask applies the window): no window to track.
@@ -119,7 +119,7 @@ class LayerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "saved_margin"):
-            cache_module._SLIDING_CROP_MARGIN = self.saved_margin
+            layer_module._SLIDING_CROP_MARGIN = self.saved_margin
 
     def _clear(self, batch: int) -> None:
         self.ops_since_reset = 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import hf_kvcache.cache as cache_module
+import hf_kvcache.layer as layer_module
 from hf_kvcache import _compat, make_cache
 from tests.helpers import teacher_forced
 from tests.helpers.checks import assert_cache_finite
@@ -190,7 +190,7 @@ def test_rows_of_1_and_200_tokens_generate_past_every_boundary(spec, easy, hard,
     flushes in the prefill and again at 256 during decoding, FIFO residuals flush every step, and the sliding
     layers (window 16, the rollback margin cut to 8 so that they trim every 8 tokens) trim many times; every
     place stays finite and holds what it should."""
-    monkeypatch.setattr(cache_module, "_SLIDING_CROP_MARGIN", 8)
+    monkeypatch.setattr(layer_module, "_SLIDING_CROP_MARGIN", 8)
     model = tiny_model(FEATURE_MODEL, attn_implementation=attn)
     ids, mask = left_padded_batch(model, lengths=(1, 200), seed=5)
     cache = make_cache(spec, model)  # the preset: KIVI's window of 128 tokens and groups of 32

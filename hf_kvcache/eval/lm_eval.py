@@ -82,7 +82,7 @@ def register() -> type:
             import torch.nn.functional as F
             from tqdm.auto import tqdm
 
-            from .perplexity import forward_with_cache
+            from .forward import forward_with_cache
 
             out = []
             for request, context_enc, continuation_enc in tqdm(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from .._compat import text_config
+from .forward import forward_with_cache
 
 __all__ = ["bytes_per_token", "cache_nbytes", "layer_nbytes", "memory_summary", "reference_bytes_per_token"]
 
@@ -70,8 +71,6 @@ def bytes_per_token(
 ) -> dict:
     """Fill a fresh cache with the first `n_tokens` of `tokens (N,)`, `chunk` tokens a step (as generation
     appends), and measure what it holds. Returns `memory_summary(...)`."""
-    from .perplexity import forward_with_cache  # perplexity imports this module
-
     if tokens.numel() < n_tokens:
         raise ValueError(f"need {n_tokens} tokens to fill the cache, got {tokens.numel()}")
     ids = tokens[:n_tokens].to(next(model.parameters()).device)[None]  # (1, n_tokens)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .perplexity import forward_with_cache
+from .forward import forward_with_cache
 
 __all__ = ["PasskeyPrompt", "answer_has_key", "make_prompt", "passkey_grid", "passkey_trial"]
 

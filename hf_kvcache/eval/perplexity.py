@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .. import _compat
+from .forward import forward_with_cache
 from .memory import cache_nbytes
 
 __all__ = [
@@ -42,19 +42,6 @@ __all__ = [
 
 # Rows of logits turned into float32 log-probabilities at a time: bounds the float32 copy of (rows, vocab).
 _SCORE_ROWS = 256
-
-
-def forward_with_cache(model, input_ids: torch.Tensor, cache, *, logits_to_keep: int = 0) -> torch.Tensor:
-    """One forward of `input_ids (B, T)` through `cache` (appended to it); returns logits `(B, T', V)`.
-
-    `logits_to_keep=k > 0` asks for the logits of the last k positions only (T' = k) when the model
-    supports it; otherwise T' = T. Callers locate rows from the end, so both cases read the same.
-    """
-    cache_arg, has_keep = _compat.forward_parameters(type(model))
-    kwargs = {cache_arg: cache, "use_cache": True}
-    if has_keep and logits_to_keep > 0:
-        kwargs["logits_to_keep"] = logits_to_keep
-    return model(input_ids=input_ids, **kwargs).logits
 
 
 def window_starts(n_tokens: int, context: int, windows: int) -> list[int]:

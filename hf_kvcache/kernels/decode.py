@@ -9,7 +9,7 @@ Work split, per (batch row, kv-head, tile of query rows):
   q.k = (q * s) . c + q . z, one block of tokens per tile; fp8 keys and values take their per-head scale
   after the products) and fed to tensor cores in the model dtype, or in fp16 for a bf16 model whose codes are all
   exact in fp16 (fp8, and integer codes of one group per token row): then q enters the products rounded to fp16
-  (times a power of two if it would overflow) and p is rounded to fp16 instead of bf16 (`ops._product_dtype`).
+  (times a power of two if it would overflow) and p is rounded to fp16 instead of bf16 (`decode_launch._product_dtype`).
 - one tail program (a separate launch of the same kernel, BODY=False, so that its many live tiles do not
   raise the body's register count) reads everything else token by token: the sink, the packed tokens outside whole body tiles
   (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
@@ -17,7 +17,8 @@ Work split, per (batch row, kv-head, tile of query rows):
 
 Query rows are (query position, query head of the kv-head's group) pairs, so GQA/MQA read each K/V tile once for
 all the query heads that share it, and q_len > 1 (chunked prefill, speculative verification) is the same code
-with more rows. The launcher is `hf_kvcache.kernels.decode_attention`.
+with more rows. The launchers are `decode_launch.py`'s (`packed_attention`, `_combine`); `dispatch.decode_attention`
+(`hf_kvcache.kernels.decode_attention`) picks them by format.
 """
 
 from __future__ import annotations

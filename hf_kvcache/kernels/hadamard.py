@@ -1,5 +1,5 @@
 """Walsh-Hadamard transform of rows: RotatedCache's online key rotation (and its query rotation) on the GPU. The
-reference is `hf_kvcache.quant.fwht`; the launcher is `ops.hadamard`."""
+reference is `hf_kvcache.quant.fwht`; the launcher is `hadamard_launch.hadamard`."""
 
 from __future__ import annotations
 

@@ -2,11 +2,13 @@
 
 Dynamo cannot trace a launcher's Python (grids, strides, dataclasses) and Inductor, meeting a plain `@triton.jit`
 kernel, tries to rebuild it (DESIGN.md's pitfall: it failed on our pack kernel). Under torch.compile every
-launcher in `ops` calls itself through one of these custom operators instead: opaque to the compiler, with a fake
-implementation giving the output's shape, and captured as is by CUDA graphs. Eager code calls the launchers
-directly, which saves the dispatcher's host time. Operators are functional (fresh outputs, nothing mutated), so
-that Inductor fuses the copies into the cache around them. The tensor arguments are flat: a format is a list of
-ints (`_fmt_ints`), a place absent is None.
+launcher (the `*_launch` modules; the attention's through `dispatch.static_decode_attention`) calls itself through
+one of these custom operators instead: opaque to the compiler, with a fake implementation giving the output's shape,
+and captured as is by CUDA graphs. Eager code calls the launchers directly, which saves the dispatcher's host time.
+Operators are functional (fresh outputs, nothing mutated), so that Inductor fuses the copies into the cache around
+them. The tensor arguments are flat: a stream is a list of tensors (`stream_tensors`, `nuq_tensors`,
+`turbo_tensors`) and a format a list of ints (`fmt_ints`, ...), which the operator turns back into the launcher's
+arguments (`_stream`, ...); a place absent is None.
 
 No `from __future__ import annotations` here: the operators' schemas are read from the annotations.
 """
@@ -16,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import decode_launch, hadamard_launch, nuq_launch, pack_launch, turbo_launch
 from .layout import CodebookFormat, CodebookPart, NUQFormat, PackedFormat, StaticLayout, StreamTensors
 
 _KINDS = ("fp8-e4m3", "fp8-e5m2", "uniform", "exact")
@@ -56,12 +59,10 @@ def static_attention(
     k_fmt: list[int], v_fmt: list[int], layout: list[int], exact_new: bool, scaling: float, softcap: float,
     has_softcap: bool,
 ) -> Tensor:
-    from . import ops
-
     keys = _stream(k_sink, k_codes, k_scale, k_zero, k_res, k_f8, k_fmt)
     values = _stream(v_sink, v_codes, v_scale, v_zero, v_res, v_f8, v_fmt)
     static = StaticLayout(length, layout[5], layout[0], layout[1], layout[2], bool(layout[3]), bool(layout[4]))
-    return ops.decode_attention(
+    return decode_launch.packed_attention(
         query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
         softcap=softcap if has_softcap else None, s_aux=s_aux, static=static,
     )
@@ -76,10 +77,8 @@ def _(query, *args, **kwargs):
 @torch.library.custom_op("hf_kvcache::pack_per_token", mutates_args=())
 def pack_per_token(x: Tensor, bits: int, group_size: int, symmetric: bool, clip_ratio: float) -> list[Tensor]:
     """-> `[codes, scale, zero]` (zero empty when symmetric); `group_size` 0 = head_dim."""
-    from . import ops
-
     out = _per_token_out(x, bits, group_size, symmetric)
-    ops.pack_per_token(x, out, bits, group_size or None, symmetric, clip_ratio, _eager=True)
+    pack_launch.pack_per_token(x, out, bits, group_size or None, symmetric, clip_ratio, _eager=True)
     return [out["codes"], out["scale"], out.get("zero", x.new_empty((0,), dtype=torch.float16))]
 
 
@@ -102,11 +101,9 @@ def _(x, bits, group_size, symmetric, clip_ratio):
 def pack_per_channel(x: Tensor, valid: Optional[Tensor], complete: Optional[Tensor], bits: int, block_size: int,
                      range_search: Optional[list[float]]) -> list[Tensor]:
     """-> `[codes (B, H, n, G, D*b/8), scale (B, H, n, D), zero (B, H, n, D)]`."""
-    from . import ops
-
     out = _per_channel_out(x, bits, block_size)
-    ops.pack_per_channel(x, out, bits, block_size, valid, tuple(range_search) if range_search else None,
-                         complete=complete, _eager=True)
+    pack_launch.pack_per_channel(x, out, bits, block_size, valid, tuple(range_search) if range_search else None,
+                                 complete=complete, _eager=True)
     return [out["codes"], out["scale"], out["zero"]]
 
 
@@ -126,10 +123,8 @@ def _(x, valid, complete, bits, block_size, range_search):
 
 @torch.library.custom_op("hf_kvcache::pack_fp8", mutates_args=())
 def pack_fp8(x: Tensor, scale: Tensor, fmt: str, fmax: float) -> Tensor:
-    from . import ops
-
     out = x.new_empty(x.shape, dtype=torch.uint8)
-    ops.pack_fp8(x, out, scale, fmt, fmax, _eager=True)
+    pack_launch.pack_fp8(x, out, scale, fmt, fmax, _eager=True)
     return out
 
 
@@ -140,9 +135,7 @@ def _(x, scale, fmt, fmax):
 
 @torch.library.custom_op("hf_kvcache::hadamard", mutates_args=())
 def hadamard(x: Tensor) -> Tensor:
-    from . import ops
-
-    return ops.hadamard(x, _eager=True)
+    return hadamard_launch.hadamard(x, _eager=True)
 
 
 @hadamard.register_fake
@@ -153,11 +146,9 @@ def _(x):
 @torch.library.custom_op("hf_kvcache::pack_turbo", mutates_args=())
 def pack_turbo(y: Tensor, mids: list[Tensor], books: list[Tensor], bits: list[int], code_bytes: list[int],
                lsq: bool) -> list[Tensor]:
-    """-> `[codes of each part, norm]` (`ops.pack_turbo`; `code_bytes`: each part's bytes a vector)."""
-    from . import ops
-
+    """-> `[codes of each part, norm]` (`pack_launch.pack_turbo`; `code_bytes`: each part's bytes a vector)."""
     out = _turbo_out(y, code_bytes)
-    ops.pack_turbo(y, out[:-1], out[-1], bits, mids, books, lsq, _eager=True)
+    pack_launch.pack_turbo(y, out[:-1], out[-1], bits, mids, books, lsq, _eager=True)
     return out
 
 
@@ -206,13 +197,11 @@ def static_nuq_attention(
     k_ints: list[int], v_ints: list[int], layout: list[int], rope_scale: float, exact_new: bool, scaling: float,
     softcap: float, has_softcap: bool,
 ) -> Tensor:
-    from . import ops
-
     keys = _nuq_stream([k_sink, k_codes, k_out_idx, k_out_val, k_pos, k_lo, k_hi, k_codebook, k_mid, k_half,
                         k_inv_freq], k_ints, rope_scale)
     values = _nuq_stream([v_sink, v_codes, v_out_idx, v_out_val, v_pos, v_lo, v_hi, v_codebook, v_mid, v_half,
                           v_inv_freq], v_ints, 1.0)
-    return ops.nuq_attention(
+    return nuq_launch.nuq_attention(
         query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
         softcap=softcap if has_softcap else None, s_aux=s_aux, static=StaticLayout(length, layout[1], layout[0]),
     )
@@ -230,14 +219,12 @@ def pack_nuq(x: Tensor, midpoints: Tensor, codebook: Tensor, inv_freq: Optional[
              rope_scale: float) -> list[Tensor]:
     """-> `[codes, out_idx, out_val, lo, hi]` (each empty where the stream has no such field); `key_norm` empty
     for values."""
-    from . import ops
-
     out = _nuq_out(x, bits, slots, keys=bool(key_norm))
     if positions is not None and inv_freq is not None:
         out["pos"] = x.new_empty((x.shape[0], 1, x.shape[2]), dtype=torch.int32)
     fmt = NUQFormat(bits, codebook, slots, inv_freq=inv_freq, rope_scale=rope_scale)
-    ops.pack_nuq(x, out, fmt, midpoints, key_norm=tuple(key_norm) if key_norm else None,
-                 positions=positions, _eager=True)
+    nuq_launch.pack_nuq(x, out, fmt, midpoints, key_norm=tuple(key_norm) if key_norm else None,
+                        positions=positions, _eager=True)
     return _nuq_list(x, out)
 
 
@@ -311,12 +298,10 @@ def static_turbo_attention(
     k_ints: list[int], v_ints: list[int], k_books: list[float], v_books: list[float], layout: list[int],
     exact_new: bool, scaling: float, softcap: float, has_softcap: bool,
 ) -> Tensor:
-    from . import ops
-
     keys = _turbo_stream([k_sink, k_res, k_rot, k_order, k_codes0, k_norm0, k_codes1, k_norm1], k_ints, k_books)
     values = _turbo_stream([v_sink, v_res, v_rot, v_order, v_codes0, v_norm0, v_codes1, v_norm1], v_ints, v_books)
     static = StaticLayout(length, layout[3], layout[0], layout[1], layout[1], bool(layout[2]), bool(layout[2]))
-    return ops.turbo_attention(
+    return turbo_launch.turbo_attention(
         query, keys, values, k_new, v_new, exact_new=exact_new, attention_mask=mask, scaling=scaling,
         softcap=softcap if has_softcap else None, s_aux=s_aux, static=static,
     )

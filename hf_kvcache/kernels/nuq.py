@@ -10,7 +10,7 @@ fp16 on pairs of channels, the outlier slots written by a packed compare (`_put1
 interpreter take a chain of 2^bits selects over the float32 centroids and float32 arithmetic.
 
 The layout and the math are `hf_kvcache.methods.kvquant`'s (the reference codecs); the launchers are
-`ops.nuq_attention`, `ops.pack_nuq_keys` and `ops.pack_nuq_values`.
+`nuq_launch.nuq_attention` and `nuq_launch.pack_nuq`.
 
 RoPE (rotate-half convention): with the pre-RoPE key split in halves k1, k2 and angles pos * inv_freq,
 k1' = k1 cos - k2 sin, k2' = k2 cos + k1 sin (times the rotary module's attention scaling, which the attention

@@ -4,7 +4,7 @@ of scales and zeros, round-half-to-even codes, IEEE division), so a kernel-writt
 reference-written one. TurboQuant's (`_pack_turbo`) sums a vector's squares, whose order PyTorch's CUDA reduction
 need not share: its lengths can round to the neighbouring fp16 value, and a coordinate within a float32 step of a
 cell edge take the other cell (`tests/kernels/test_pack.py`; under the interpreter the bytes are the same).
-Launchers: `hf_kvcache.kernels.ops.pack_*`.
+Launchers: `pack_launch.py` (KVQuant's pack kernel and its launcher: `nuq.py`, `nuq_launch.py`).
 """
 
 from __future__ import annotations

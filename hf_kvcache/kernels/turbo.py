@@ -2,9 +2,9 @@
 
 A stored vector is `x F` (F orthogonal: the codec's rotation, and for the energy split a per-sequence channel order),
 its channels coded part by part against fixed codebooks with one length per token and part. Attention does not
-see F: `q . k = (q F) . (k F)` and `sum_t p_t v_t = (sum_t p_t v_t F) F^T`. So the launcher (`ops.turbo_attention`)
-rotates the query into the keys' frame once per step, and the body programs compute, in the frame, with `n_{p,t}`
-the length and `c_p` the codebook of part p,
+see F: `q . k = (q F) . (k F)` and `sum_t p_t v_t = (sum_t p_t v_t F) F^T`. So the launcher
+(`turbo_launch.turbo_attention`) rotates the query into the keys' frame once per step, and the body programs compute,
+in the frame, with `n_{p,t}` the length and `c_p` the codebook of part p,
 
     s_t = sum_p n_{p,t} (q'_p . c_p[code_{p,t}]),      o'_p = sum_t softmax(s)_t n_{p,t} c_p[code_{p,t}]
 

@@ -219,9 +219,9 @@ def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec
 
     import inspect
 
-    import hf_kvcache.cache as cache_module
+    import hf_kvcache.layer as layer_module
 
-    monkeypatch.setattr(cache_module, "_MIN_GROW", 16)  # several growths within the 70 steps
+    monkeypatch.setattr(layer_module, "_MIN_GROW", 16)  # several growths within the 70 steps
     names = list(inspect.signature(decode._attn_fwd.fn).parameters)
     calls = []
 

@@ -1,0 +1,88 @@
+"""GPU benchmarks behind `hf-kvcache bench`: one module per part (`BenchConfig.parts`, `--parts`), what the parts
+share in `_common.py` (`BenchConfig`, the Llama-3-8B shapes and a random model of them, timing), and `run` here.
+
+Each part prints its baseline measured in the same run (STYLE.md #10):
+- kernel (`kernel.py`): one decode step of attention (Llama-3-8B heads: 32 q, 8 kv, head_dim 128) over a (batch x
+  context) grid, ours (`hf_kvcache.attention.fused_attention` on a filled cache layer) against PyTorch's
+  `scaled_dot_product_attention` on bf16 K/V with its flash backend and GQA (never cuDNN, whose per-length
+  planning costs ~13 ms of CPU a call on the GPU host, see DESIGN.md). Reported: GPU time of one call (each side
+  captured in a CUDA graph and replayed, so that host time is left out, as serving engines run decode), speed-up,
+  GB/s of cache bytes read against the copy bandwidth measured in the same run, and the roofline 2/B; then the
+  host time of one call and the eager time and speed-up (calls launched one by one, host time included).
+- sweep (`kernel.py`): the fused attention's launch parameters (`kernels.ops.TUNING`) at one (batch, context).
+- e2e (`e2e.py`): `model.generate` as users call it (a fresh cache a call, the prompt prefilled by `generate`) on a
+  Llama-3-8B-shaped model with random bf16 weights (fewer layers by default, the per-layer shapes are the 8B's):
+  each method eager (built without `max_cache_len`) and compiled (with it) against DynamicCache eager and
+  transformers' StaticCache compiled, at batch 1, 16 and 64: decode step, first-call warm-up, recompiles, peak
+  memory with and without prefill chunking, host time of one eager layer step (`e2e_part`).
+- decode (`e2e.py`): the same model continuing caches filled with random K/V, step time and GPU time (`decode_part`).
+- prefill (`prefill.py`): a long prompt prefilled in chunks through each cache, then a chat's next turn over it,
+  against DynamicCache chunked and unchunked (`prefill_part`).
+- capacity (`capacity.py`): the largest batch at a context that fits a fixed KV memory budget, from the bytes a real
+  cache allocates for one sequence (all of the model's layers), against a bf16 cache.
+- multi_gpu (`multi_gpu.py`): the model on one GPU and split over every visible GPU (`split_model`), decode tokens/s
+  and the largest batch that runs (`multi_gpu_part`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ._common import (KERNEL_SPECS, LLAMA3_8B, BenchConfig, _dense_cache_bytes, _layer_devices, _llama_config,
+                      _tensor_bytes)
+from .capacity import capacity_part
+from .e2e import _e2e_line, decode_part, e2e_part, e2e_row
+from .kernel import _attend, _filled_layer, kernel_part, sweep_part
+from .multi_gpu import multi_gpu_part, split_model, storage_devices
+from .prefill import prefill_part
+
+__all__ = [
+    "KERNEL_SPECS",
+    "LLAMA3_8B",
+    "BenchConfig",
+    "capacity_part",
+    "decode_part",
+    "e2e_part",
+    "e2e_row",
+    "kernel_part",
+    "multi_gpu_part",
+    "prefill_part",
+    "run",
+    "split_model",
+    "storage_devices",
+    "sweep_part",
+    # details the tests check
+    "_attend",
+    "_dense_cache_bytes",
+    "_e2e_line",
+    "_filled_layer",
+    "_layer_devices",
+    "_llama_config",
+    "_tensor_bytes",
+]
+
+
+def run(cfg: BenchConfig, log=print) -> dict:
+    if not torch.cuda.is_available():
+        raise RuntimeError("hf-kvcache bench measures GPU speed and needs a CUDA device")
+    # The baselines run without PyTorch's cuDNN attention (per-length plans, see DESIGN.md): say so.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    props = torch.cuda.get_device_properties(0)
+    import transformers
+    import triton
+
+    cfg.results["env"] = dict(
+        gpu=props.name, torch=torch.__version__, transformers=transformers.__version__, triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d"), cudnn_sdp=False,
+    )
+    log(json.dumps(cfg.results["env"]))
+    parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
+             "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part}
+    for part in cfg.parts:
+        log(f"\n== {part}")
+        with torch.no_grad():
+            parts[part](cfg, log)
+    return cfg.results

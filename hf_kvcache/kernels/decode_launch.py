@@ -1,0 +1,220 @@
+"""Launchers of `decode.py`'s kernels: the fused attention over the formats `PackedFormat` describes (fp8, uniform
+integer groups, KIVI's per-channel key blocks, exact), and the split-K combine that every attention kernel ends with
+(`nuq_launch`, `turbo_launch` call it too). The math is stated in `decode.py`'s docstring; the reference is
+`hf_kvcache.attention.reference_attention` over the same layer. Beside its kernel module (`launch.py` says why).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend
+from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _partials, _place, _split_k,
+                     _step_counts, on_input_device)
+from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
+
+
+def _fmt_code(kind: str) -> int:
+    from . import decode
+
+    return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM,
+            "exact": decode.FMT_EXACT}[kind]
+
+
+def _planes(fmt, head_dim: int, keys: bool) -> bool:
+    """Whether the body reads this stream's codes as bit planes with its scales applied outside the products
+    (one group per token row, or per-channel key blocks); other uniform formats dequantize whole tiles."""
+    if fmt.kind != "uniform" or head_dim * fmt.bits // 8 < 16:  # a plane is an operand of products: >= 16 wide
+        return False
+    return (keys and fmt.token_group > 1) or (fmt.channel_group or head_dim) == head_dim
+
+
+def _fp16_exact(fmt, head_dim: int, keys: bool) -> bool:
+    """Whether the body converts this stream's codes to fp16 exactly and multiplies nothing else into that operand:
+    fp8, or integer codes of one group per token row read as planes (c - 2^(bits-1), `decode._plane`). Per-channel
+    key blocks (q * scale) and whole-tile dequantization (code * scale + zero) are not: their operands could leave
+    fp16's range."""
+    if fmt.kind in FP8_KINDS:
+        return True
+    return _planes(fmt, head_dim, keys) and fmt.token_group == 1
+
+
+def _product_dtype(query: torch.Tensor, keys, values) -> torch.dtype:
+    """The dtype of the body's tensor-core operands (`decode._attn_fwd`'s PDT): fp16 for a bf16 model whose codes
+    all convert to fp16 exactly (the query then enters scaled by a power of two, and p is rounded to fp16, which
+    keeps 3 more bits of it than bf16); the model dtype otherwise, and always on the interpreter."""
+    d = query.shape[-1]
+    if (query.dtype == torch.bfloat16 and TUNING["fp16_products"] and not backend.interpreting()
+            and _fp16_exact(keys.fmt, d, keys=True) and _fp16_exact(values.fmt, d, keys=False)):
+        return torch.float16
+    return query.dtype
+
+
+def _magic_offset(fmt, dtype: torch.dtype) -> int:
+    """OFF of `decode._plane` for products in `dtype`: 128 for codes below 128 in bf16, 1024 in fp16, 0 (a plain
+    conversion) otherwise."""
+    if fmt.kind != "uniform" or backend.interpreting():
+        return 0
+    if dtype == torch.float16:
+        return 1024
+    return 128 if dtype == torch.bfloat16 and fmt.bits <= 4 else 0
+
+
+def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
+    """Pointers and strides of the packed fields: codes + token stride, scale/zero + token and channel strides,
+    fp8 scale + batch and head strides."""
+    f, fmt = st.fields, st.fmt
+    fp8 = fmt.kind in SCALED_KINDS
+    if st.n_packed == 0 or not f:
+        # Nothing packed yet: a dummy pointer with the token strides the storage will have (same specialization).
+        codes = scale = zero = dummy
+        row = head_dim if fp8 else head_dim * fmt.bits // 8
+        groups = head_dim if fmt.token_group > 1 else head_dim // (fmt.channel_group or head_dim)
+        c_strides, s_strides = (0, 0, row), (0, 0, 0 if fp8 else groups, 0 if fp8 else 1)
+    else:
+        codes = f["codes"]
+        if fmt.token_group > 1:  # (B, H, n, G, D*b/8): tokens of consecutive blocks are consecutive rows
+            if codes.stride(2) != fmt.token_group * codes.stride(3) or codes.stride(4) != 1:
+                raise ValueError("per-channel key codes must be contiguous within and across blocks")
+            c_strides = (codes.stride(0), codes.stride(1), codes.stride(3))
+        else:
+            if codes.stride(3) != 1:
+                raise ValueError("packed codes must be contiguous along head_dim")
+            c_strides = (codes.stride(0), codes.stride(1), codes.stride(2))
+        if fp8:
+            scale = zero = dummy
+            s_strides = (0, 0, 0, 0)
+        else:
+            scale = f["scale"]
+            zero = f.get("zero", scale)
+            if zero.stride() != scale.stride():
+                raise ValueError("scale and zero must share a layout")
+            s_strides = tuple(scale.stride()[:4])
+    if fp8:
+        f8 = fmt.scale if fmt.scale is not None else torch.ones(1, 1, device=dummy.device)
+        f8 = f8.to(device=dummy.device, dtype=torch.float32)
+        f8_args = [f8, f8.stride(0) if f8.shape[0] > 1 else 0, f8.stride(1) if f8.shape[1] > 1 else 0]
+    else:
+        f8_args = [dummy, 0, 0]
+    return [codes, *c_strides, scale, *s_strides, zero], f8_args
+
+
+@on_input_device
+def packed_attention(
+    query: torch.Tensor,
+    keys: StreamTensors,
+    values: StreamTensors,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    exact_new: bool,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    static: StaticLayout | None = None,
+) -> torch.Tensor:
+    """`softmax(q K^T * scaling) V` over the formats `PackedFormat` describes (fp8, uniform integer groups, KIVI's
+    per-channel key blocks, exact) -> `(B, Tq, Hq, D)` in the query dtype: `query (B, Hq, Tq, D)`, per stream
+    `codes (B, Hkv, T, D*b/8)` (per-channel keys `(B, Hkv, n, G, D*b/8)`) and scales as `PackedFormat` lays them out.
+    Kernels `decode._attn_fwd` (split-K body programs, one tail program), then `decode._combine`; the arguments as
+    in `dispatch.decode_attention`, which picks this launcher by format."""
+    from . import decode
+
+    b, hq, tq, d = query.shape
+    hkv, g, n_sink, n_new, stop = _step_counts(query, keys, k_new, exact_new)
+    dummy = k_new
+    if static is not None:
+        # Lengths come from the device; the host sizes the launch for the capacity (the body's tiles) alone.
+        n_sink, stop = 0, keys.n_packed
+
+    # Tiles of at most 16 KB of dequantized K (the body's shared-memory staging grows with it and the stages).
+    itemsize = query.element_size()
+    block_n = keys.fmt.token_group if keys.fmt.token_group > 1 else min(TUNING["block_n"], 16384 // (d * itemsize))
+    stages = TUNING["num_stages"] if block_n * d * itemsize <= 16384 else 2
+    rows = tq * g
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    m_tiles = decode.triton.cdiv(rows, block_m)
+    body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
+    n_body_tiles = body // block_n
+    n_splits, tiles_per_split = _split_k(query, n_body_tiles, b * hkv * m_tiles)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
+    m_args = _mask_args(attention_mask, dummy)
+    dt, prec = _compute_dtype(query)
+    pdt = _product_dtype(query, keys, values)
+
+    out = torch.empty((b, tq, hq, d), device=query.device, dtype=query.dtype)
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    args = [
+        query, query.stride(0), query.stride(1), query.stride(2),
+        *_stream_args(keys, k_new, dummy, d),
+        *_stream_args(values, v_new, dummy, d),
+        *m_args,
+        part_acc, part_m, part_l, *_length_args(static, dummy),
+        hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
+        stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
+        float(scaling), float(softcap or 0.0),
+    ]
+    meta = dict(
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=decode.tl.float16 if pdt != query.dtype else dt,
+        PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, MASK_AHEAD=TUNING["mask_ahead"],
+        HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
+        K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
+        K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
+        **_fmt_meta(keys, values, d),
+    )
+    if static is not None:
+        meta.update(STATIC=True, SINK_CAP=static.sink_tokens, K_RING=static.key_ring, V_RING=static.value_ring,
+                    K_WINDOW=static.key_window, V_WINDOW=static.value_window)
+    if n_splits:
+        decode._attn_fwd[(b * hkv, n_splits, m_tiles)](
+            *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=stages
+        )
+    decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
+    return out
+
+
+def _stream_args(st: StreamTensors, new: torch.Tensor, dummy: torch.Tensor, head_dim: int) -> list:
+    """One stream's places as `decode._attn_fwd` takes them: sink, packed fields, residual, new tokens, fp8 scale."""
+    packed, f8 = _packed_args(st, dummy, head_dim)
+    return [*_place(st.sink, dummy), *packed, *_place(st.residual, dummy), *_place(new, dummy), *f8]
+
+
+def _fmt_meta(keys: StreamTensors, values: StreamTensors, head_dim: int) -> dict:
+    """The two streams' formats as `decode._attn_fwd`'s constexprs (K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, V_...)."""
+
+    def fmt_args(st: StreamTensors, with_tokens: bool) -> list:
+        f = st.fmt
+        chg = f.channel_group or head_dim
+        out = [_fmt_code(f.kind), f.bits]
+        if with_tokens:
+            out.append(f.token_group)
+        return out + [chg if f.kind == "uniform" else head_dim, f.symmetric]
+
+    return {**dict(zip(("K_FMT", "K_BITS", "K_TOKG", "K_CHG", "K_SYM"), fmt_args(keys, True))),
+            **dict(zip(("V_FMT", "V_BITS", "V_CHG", "V_SYM"), fmt_args(values, False)))}
+
+
+def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_parts: int, rows_pad: int,
+             frame: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """The split-K partials into `out (B, Tq, Hq, D)`; `frame` (the values' `(R, order)`, TurboQuant): every part but
+    the last (the tail's) is in the values' frame and is taken back by F_v^T."""
+    from . import decode
+
+    if frame is None:
+        frame_args, has_order = [part_m, 0, part_m, 0, 0], False
+    else:
+        rot, order = frame
+        if rot.stride(1) != 1:
+            raise ValueError("a codebook format's rotation must be contiguous along its rows")
+        has_order = order is not None
+        order_args = [order, order.stride(0), order.stride(1)] if has_order else [part_m, 0, 0]
+        frame_args = [rot, rot.stride(0), *order_args]
+    decode._combine[(out.shape[0] * hkv * tq * g,)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
+        s_aux if s_aux is not None else part_m, *frame_args, hkv, tq, n_parts, rows_pad,
+        G=g, D=out.shape[-1], NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None,
+        FRAME=frame is not None, HAS_ORDER=has_order, num_warps=4,
+    )
