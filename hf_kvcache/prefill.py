@@ -26,6 +26,8 @@ import torch
 
 from .kernels import backend
 from .kernels.layout import CodebookFormat, NUQFormat, StreamTensors
+from .kernels.turbo_launch import _into_frame
+from .kernels.workspace_launch import gather_codebook, gather_places
 
 PREFILL = {
     # query rows (Tq x query heads per kv-head) above which a chunk reads its history from a workspace
@@ -33,7 +35,6 @@ PREFILL = {
     # the workspace's bytes (keys and values of one piece of the history, in the model dtype)
     "workspace_bytes": int(os.environ.get("HF_KVCACHE_PREFILL_WORKSPACE_MB", "1024")) << 20,
 }
-_BLOCK_T = 32  # tokens a gather program writes
 _MIN_PIECE = 1024  # tokens: pieces shorter than this leave flash attention short of work
 
 
@@ -62,13 +63,13 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
         frame_q = _into_frame(query, keys.fmt.frame(query.device), hkv).to(query.dtype).reshape(b, hkv, g * tq, d)
         vframe = values.fmt.frame(query.device)
         for start, n, wk, wv in _pieces(query, hkv, n_body):
-            _fill_codebook(keys, values, k_new, static, wk, wv, start, n, exact=False)
+            gather_codebook(keys, values, k_new, static, wk, wv, start, n, exact=False)
             o, lse = _attend(frame_q, wk, wv, False, scaling)
             parts.append((_out_of_frame(o, vframe), lse))
         n_exact = stop - n_body
         if n_exact:
             wk, wv = _workspace(query, hkv, n_exact)
-            _fill_codebook(keys, values, k_new, static, wk, wv, 0, n_exact, exact=True)
+            gather_codebook(keys, values, k_new, static, wk, wv, 0, n_exact, exact=True)
             parts.append(_attend(folded, wk, wv, False, scaling))
     elif isinstance(keys.fmt, NUQFormat):
         pos = 0
@@ -79,7 +80,7 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
             pos += k.shape[2]
     else:
         for start, n, wk, wv in _pieces(query, hkv, stop):
-            _fill_places(keys, values, k_new, static, wk, wv, start, n)
+            gather_places(keys, values, k_new, static, wk, wv, start, n)
             parts.append(_attend(folded, wk, wv, False, scaling))
     parts = [(o.reshape(b, hq, tq, d), lse.reshape(b, hq, tq)) for o, lse in parts]
     parts.append(_attend(query, k_new, v_new, True, scaling))  # the chunk itself, causal
@@ -125,53 +126,6 @@ def _codebook_places(held: int, stop: int, static) -> tuple[int, int]:
     else:
         packed = after // ring * ring
     return n_sink, max(min(packed, stop - n_sink), 0)
-
-
-def _fill_places(keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor, static, wk: torch.Tensor,
-                 wv: torch.Tensor, start: int, n: int) -> None:
-    """History tokens `start .. start + n` of a `decode.py` format, dequantized into `wk`/`wv (B, Hkv, n, D)`."""
-    from .kernels import ops, workspace
-
-    b, hkv, _, d = k_new.shape
-    dt, _ = ops._compute_dtype(k_new)
-    if wk.stride() != wv.stride():
-        raise ValueError("the key and value workspaces must share a layout")
-    workspace._gather_places[(b * hkv, -(-n // _BLOCK_T))](
-        # (the new tokens are never read: the keys' tensor stands in for both streams')
-        *ops._stream_args(keys, k_new, k_new, d), *ops._stream_args(values, k_new, k_new, d),
-        wk, wv, *wk.stride()[:3], static.length, static.capacity, hkv, start, n, k_new.shape[2],
-        D=d, BLOCK_T=_BLOCK_T, DT=dt, **ops._fmt_meta(keys, values, d), SINK_CAP=static.sink_tokens,
-        K_RING=static.key_ring, V_RING=static.value_ring, K_WINDOW=static.key_window, V_WINDOW=static.value_window,
-    )
-
-
-def _fill_codebook(keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor, static, wk: torch.Tensor,
-                   wv: torch.Tensor, start: int, n: int, exact: bool) -> None:
-    """TurboQuant's packed body tokens `start .. start + n` in the frame, or (`exact`) its first n exact history
-    tokens in the model's frame, into `wk`/`wv (B, Hkv, n, D)`."""
-    from .kernels import ops, workspace
-
-    b, hkv, tq, d = k_new.shape
-    dt, _ = ops._compute_dtype(k_new)
-    k_args, k_meta = ops.codebook_args(keys, keys.n_packed, k_new, torch.float32)
-    v_args, v_meta = ops.codebook_args(values, values.n_packed, k_new, torch.float32)
-    workspace._gather_codebook[(b * hkv, -(-n // _BLOCK_T))](
-        *k_args, *v_args,
-        *ops._place(keys.sink, k_new), *ops._place(keys.residual, k_new), *ops._place(None, k_new),
-        *ops._place(values.sink, k_new), *ops._place(values.residual, k_new), *ops._place(None, k_new),
-        wk, wv, *wk.stride()[:3], static.length, static.capacity, hkv, start, n, tq,
-        D=d, BLOCK_T=_BLOCK_T, DT=dt, EXACT=exact,
-        K_TWO=len(keys.fmt.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
-        V_TWO=len(values.fmt.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
-        SINK_CAP=static.sink_tokens, RING=static.key_ring, WINDOW=static.key_window,
-    )
-
-
-def _into_frame(query: torch.Tensor, frame, hkv: int) -> torch.Tensor:
-    """`query (B, Hq, Tq, D)` -> `q F` float32 (`kernels.ops._into_frame`)."""
-    from .kernels import ops
-
-    return ops._into_frame(query, frame, hkv)
 
 
 def _out_of_frame(o: torch.Tensor, frame) -> torch.Tensor:
