@@ -186,7 +186,7 @@ def fused_attention(
         return _prefill_attention(query, key, value, attention_mask, scaling)
     chunk = query.shape[2] > 1
     if (chunk and attention_mask is None and not layer.quantize_before_attention and softcap is None and s_aux is None
-            and prefill.use_workspace(query, keys, key.new.shape[1])):
+            and prefill.use_workspace(query, key.new.shape[1])):
         # many query tokens over a packed history: dequantized once into a workspace, read by flash attention
         return prefill.prefill_attention(query, layer, keys, values, key.new, value.new, scaling)
     if chunk and getattr(layer, "_chunk_kernel_failed", False):

@@ -38,11 +38,11 @@ PREFILL = {
 _MIN_PIECE = 1024  # tokens: pieces shorter than this leave flash attention short of work
 
 
-def use_workspace(query: torch.Tensor, keys: StreamTensors, hkv: int) -> bool:
-    """Whether a chunk of `query (B, Hq, Tq, D)` reads its history through a workspace."""
-    b, hq, tq, d = query.shape
-    return tq > 1 and tq * (hq // hkv) > PREFILL["min_rows"] and query.dtype in (torch.float16, torch.bfloat16,
-                                                                                   torch.float32)
+def use_workspace(query: torch.Tensor, hkv: int) -> bool:
+    """Whether a chunk of `query (B, Hq, Tq, D)` over `hkv` kv-heads reads its history through a workspace."""
+    _, hq, tq, _ = query.shape
+    return (tq > 1 and tq * (hq // hkv) > PREFILL["min_rows"]
+            and query.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
 def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor,
@@ -59,7 +59,7 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
     folded = query.reshape(b, hkv, g * tq, d)  # rows (g, t) of each kv-head: a view when the query is contiguous
     parts = []
     if isinstance(keys.fmt, CodebookFormat):
-        _, n_body = _codebook_places(held, stop, static)
+        n_body = _codebook_body(held, stop, static)
         frame_q = _into_frame(query, keys.fmt.frame(query.device), hkv).to(query.dtype).reshape(b, hkv, g * tq, d)
         vframe = values.fmt.frame(query.device)
         for start, n, wk, wv in _pieces(query, hkv, n_body):
@@ -113,8 +113,8 @@ def _pieces(query: torch.Tensor, hkv: int, n_tokens: int):
         yield start, n, wk[:, :, :n], wv[:, :, :n]
 
 
-def _codebook_places(held: int, stop: int, static) -> tuple[int, int]:
-    """(sinks, packed body tokens) among the first `stop` of the `held` tokens: the host's twin of
+def _codebook_body(held: int, stop: int, static) -> int:
+    """The packed body tokens among the first `stop` of the `held` tokens (sinks first): the host's twin of
     `turbo._turbo_attn`'s STATIC counts (`decode._static_places`)."""
     n_sink = min(held, static.sink_tokens)
     after = held - n_sink
@@ -125,7 +125,7 @@ def _codebook_places(held: int, stop: int, static) -> tuple[int, int]:
         packed = max(after - ring, 0)
     else:
         packed = after // ring * ring
-    return n_sink, max(min(packed, stop - n_sink), 0)
+    return max(min(packed, stop - n_sink), 0)
 
 
 def _out_of_frame(o: torch.Tensor, frame) -> torch.Tensor:
