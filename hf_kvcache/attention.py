@@ -200,7 +200,9 @@ def fused_attention(
     except RuntimeError as error:
         # Triton 3.6 failed to compile TurboQuant-3's kernel for a 2048-token prefill chunk on the H200 (a pass of its
         # own pipeline, "PassManager::run failed", 2026-12-02, BENCHMARKS.md): such a chunk attends by the reference
-        # instead of stopping `generate`. Nothing else is caught.
+        # instead of stopping `generate`. Nothing else is caught. Unmasked chunks of more than `prefill.PREFILL`'s
+        # rows now read a workspace instead; what still comes here (a few rows, a padded chunk) has not been run on a
+        # GPU since (none was lent on 2026-12-04), so the catch stays until a GPU run shows whether it is needed.
         if not chunk or "PassManager::run failed" not in str(error):
             raise
         warnings.warn(f"hf_kvcache: the fused kernel for this layout failed to compile for {query.shape[2]} query "
