@@ -3,8 +3,12 @@
 - 5.17's `get_layer_types_and_kwargs` returns one kwargs dict for all layers; 5.24 returns one per layer and
   marks KV-sharing layers as "dummy" (served by `DummyLayer`, which 5.17 does not have: there the cache simply
   has fewer layers than the model).
-- 5.24 calls `cache.update(k, v, layer_idx, kwargs=attention_kwargs)` and renamed the forward argument
-  `past_key_values` to `cache`; 5.17 calls `update(k, v, layer_idx)`. Our `update` accepts both.
+- 5.24 calls `cache.update(k, v, layer_idx, kwargs=attention_kwargs)`; 5.17 calls `update(k, v, layer_idx)`. Our
+  `update` accepts both.
+- 5.24 renamed the cache argument `past_key_values` to `cache`, in every model's `forward` (the old name warns,
+  removal announced for 5.40) and in `generate` (warns, removal announced for 6.0; generate hands it on to
+  `prepare_inputs_for_generation(..., cache=...)`); 5.17 knows only `past_key_values`. The library's own calls take
+  the name from `cache_kwargs` / `forward_parameters`; a user may pass either name wherever transformers accepts it.
 - 5.17's assisted generation calls `cache.crop(-rejected)` with a 0-dim tensor, 5.24 with an int.
 """
 
@@ -91,8 +95,9 @@ CACHE_ARGUMENT = forward_parameters(_llama_class())[0]
 
 
 def cache_kwargs(cache, model=None) -> dict:
-    """`{"cache": cache}` where the model's forward takes that name (5.24), else `{"past_key_values": cache}`;
-    for `model(...)` and `model.generate(...)`. Without a model, what Llama takes on this transformers."""
+    """`{"cache": cache}` where the model's forward takes that name (5.24+), else `{"past_key_values": cache}`;
+    for `model(...)` and `model.generate(...)` alike: transformers renamed both in the same release, and
+    tests/test_compat.py checks that they agree. Without a model, what Llama takes on this transformers."""
     name = forward_parameters(type(model))[0] if model is not None else CACHE_ARGUMENT
     return {name: cache}
 

@@ -1,4 +1,4 @@
-"""The accuracy notebook runs top to bottom (quick setting) and draws its figures."""
+"""The accuracy notebook runs top to bottom (quick setting), without a FutureWarning, and draws its figures."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def test_accuracy_notebook_executes_and_draws_every_figure(monkeypatch, tmp_path
     monkeypatch.setenv("HF_KVCACHE_NOTEBOOK_QUICK", "1")
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend returns the figures
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    # transformers' deprecations are FutureWarnings (a deprecated cache argument's among them): errors here.
+    nb.cells.insert(0, nbformat.v4.new_code_cell('import warnings\nwarnings.simplefilter("error", FutureWarning)'))
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     images = [base64.b64decode(out["data"]["image/png"]) for cell in nb.cells if cell.cell_type == "code"

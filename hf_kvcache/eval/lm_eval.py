@@ -106,7 +106,7 @@ def register() -> type:
         def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
             from .. import _compat
 
-            generation_kwargs.update(_compat.cache_kwargs(self._new_cache()))
+            generation_kwargs.update(_compat.cache_kwargs(self._new_cache(), self.model))
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     return HFKVCacheLM

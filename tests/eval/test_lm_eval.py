@@ -13,6 +13,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from hf_kvcache.eval.lm_eval import register, tasks_dir  # noqa: E402
 from tests.eval.test_passkey import byte_tokenizer  # noqa: E402
+from tests.helpers.checks import deprecations_are_errors  # noqa: E402
 from tests.helpers.tiny_models import tiny_input_ids, tiny_model  # noqa: E402
 
 
@@ -54,6 +55,18 @@ def test_a_spec_with_overrides_and_a_bad_spec():
     assert layer.key_stream.sink_tokens == 4 and layer.key_stream.residual_length == 8
     with pytest.raises(ValueError, match="unknown cache spec"):
         _lm("int5")
+
+
+def test_requests_call_transformers_without_a_deprecated_argument():
+    """A generation request (`generate`, left-padded by lm-eval) and a loglikelihood request (forwards through the
+    cache) with every FutureWarning and DeprecationWarning an error: the cache goes by the name the installed
+    transformers takes (`hf_kvcache._compat.cache_kwargs`)."""
+    lm = _lm("int2-g32")
+    ids = tiny_input_ids(lm.model, batch=2, length=24)
+    with deprecations_are_errors():
+        out = lm._model_generate(ids, max_length=24 + 4, stop=["</s>"])
+        lm._loglikelihood_tokens([(("c", "x"), ids[0, :20].tolist(), ids[0, 20:].tolist())])
+    assert out.shape == (2, 24 + 4)
 
 
 @pytest.mark.parametrize("kv_cache", ["none", "int2-g32"])
