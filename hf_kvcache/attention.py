@@ -365,8 +365,9 @@ def _routed_mask(module, query: torch.Tensor, key: KVHandle, attention_mask, kwa
         window = kwargs.get("sliding_window")
         if attention_mask is None and not window:
             return None
-        s = key.shape[2]
-        keep = None if attention_mask is None else attention_mask[:, -s:].bool()[:, None, None, :]
+        # the 2D mask has a column a held token (generate's, sliced to the layer's length by flash's mask function)
+        s = key.shape[2] if attention_mask is None else attention_mask.shape[-1]
+        keep = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         kpos = torch.arange(s, device=query.device)
         qpos = (s - tq + torch.arange(tq, device=query.device))[:, None]
         allowed = kpos <= qpos
@@ -379,17 +380,18 @@ def _routed_mask(module, query: torch.Tensor, key: KVHandle, attention_mask, kwa
         mask = attention_mask == 0
     else:
         mask = attention_mask
-    if tq > 1 and not torch.compiler.is_compiling() and _plain_causal(mask, tq):
+    if tq > 1 and not torch.compiler.is_compiling() and _plain_causal(mask, tq, key.shape[2]):
         return None
     return mask
 
 
-def _plain_causal(mask: torch.Tensor, tq: int) -> bool:
-    """Whether boolean `mask (B, 1, Tq, S)` is exactly bottom-right causal for every row: no key past a query's own
-    position (the last Tq columns' upper triangle), and as many attended pairs as causal has (so nothing padded)."""
-    s = mask.shape[-1]
-    if s < tq:
+def _plain_causal(mask: torch.Tensor, tq: int, held: int) -> bool:
+    """Whether boolean `mask (B, 1, Tq, S >= held)` is exactly bottom-right causal over the `held` tokens for every
+    row (S is the capacity of a pinned layer, whose columns past what is held are masked): no key past a query's own
+    position (the upper triangle from column held - Tq on, every column past held included), and as many attended
+    pairs as causal has (so nothing padded)."""
+    if held < tq or mask.shape[-1] < held:
         return False
-    per_row = tq * (s - tq) + tq * (tq + 1) // 2
-    future = mask[..., s - tq:].triu(1).any()
+    per_row = tq * (held - tq) + tq * (tq + 1) // 2
+    future = mask[..., held - tq:].triu(1).any()
     return bool(~future & (mask.sum() == per_row * mask.shape[0] * mask.shape[1]))

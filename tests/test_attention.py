@@ -280,3 +280,35 @@ def test_a_flash_models_padding_mask_reads_as_sdpas(tq, window):
             assert mask is None and window is None
             continue
         assert torch.equal(got.expand_as(want), want)
+
+
+@pytest.mark.smoke
+def test_a_plain_causal_chunk_mask_reads_as_none():
+    """sdpa's and eager's masks of a chunk over held tokens: plain causal (also over a pinned layer's capacity, whose
+    columns past what is held are masked) reads as None, the workspace path's form; padding, or a key past a query's
+    position, keeps the mask."""
+    from types import SimpleNamespace
+
+    from hf_kvcache import attention
+    from hf_kvcache.cache import KVHandle
+
+    held, tq = 20, 6
+
+    class Layer:
+        held_tokens = held
+
+    key = KVHandle(Layer(), "keys", torch.zeros(2, 1, tq, 4))
+    query = torch.zeros(2, 2, tq, 4)
+    causal = torch.ones(tq, held, dtype=torch.bool).tril(held - tq).expand(2, 1, tq, held)
+    pinned = torch.cat([causal, torch.zeros(2, 1, tq, 44, dtype=torch.bool)], -1)
+    padded = causal.clone()
+    padded[1, ..., :3] = False
+    future = causal.clone()
+    future[0, 0, 0, held - tq + 1] = True
+    future[0, 0, 1, 0] = False  # as many pairs as causal, one of them past its query
+    for implementation, as_given in (("sdpa", lambda m: m), ("eager", lambda m: torch.where(m, 0.0, -3e38))):
+        module = SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+        assert attention._routed_mask(module, query, key, as_given(causal), {}) is None
+        assert attention._routed_mask(module, query, key, as_given(pinned), {}) is None
+        for kept in (padded, future):
+            assert torch.equal(attention._routed_mask(module, query, key, as_given(kept), {}), kept)
