@@ -269,8 +269,14 @@ class StreamStorage:
     def _encode(self, x: torch.Tensor, valid: torch.Tensor | None, **extra) -> dict[str, torch.Tensor]:
         """The codec's fields of `x (B, H, T, D)`, through `encode_into` (where codecs run their pack kernels)."""
         b, h, t, _ = x.shape
-        out = {k: torch.empty((b, h if heads > 1 else 1, t // self.codec.block_size, *tail), dtype=dtype,
-                              device=x.device)
+        n = t // self.codec.block_size
+        # Rows for a multiple of 16 blocks, of which the first n are written: the pack kernels then see batch and head
+        # strides of the same divisibility whatever the write's length, as in the storage itself (whose capacity is a
+        # multiple of 16 rows). Sized to n, a field's strides followed the prompt's length, and each of their classes
+        # (1, a multiple of 16, neither) compiled its own variant of the kernel: up to 9 of TurboQuant's for a first
+        # chunked `generate` (`hf-kvcache bench --parts compiles`).
+        rows = -(-n // 16) * 16
+        out = {k: torch.empty((b, h if heads > 1 else 1, rows, *tail), dtype=dtype, device=x.device)[:, :, :n]
                for k, (heads, tail, dtype) in self._fields.items()}
         self.codec.encode_into(x, valid, out, **extra)
         return out
