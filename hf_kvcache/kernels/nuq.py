@@ -404,7 +404,11 @@ def _top_slots(score, x, d, OI, OV, row_off, ok, S: tl.constexpr, NAN_IF_ZERO: t
     return chosen
 
 
-@triton.jit(do_not_specialize=("T",))
+# Besides the token count, the positions' batch stride (the write's length) and the alignment of the per-token side
+# fields (outlier slots, value ranges: a few bytes a token, so a write's first row decides it) are not specialized:
+# each class compiled its own variant, 9 for a first `generate` (`hf-kvcache bench --parts compiles`), and a later
+# prompt of another length compiled more. Their stores are a few bytes a token; vector stores gain nothing there.
+@triton.jit(do_not_specialize=("T", "sp_b"), do_not_specialize_on_alignment=("OI", "OV", "VLO", "VHI"))
 def _pack_nuq(
     X, sx_b, sx_h, sx_t, P, sp_b, sp_t, INVF, rope_scale, LO, HI, MID, HALF_, MIDS,
     C, sc_b, sc_h, sc_t, OI, OV, so_b, so_h, so_t, VLO, VHI, sv_b, sv_h, sv_t, T, H,
