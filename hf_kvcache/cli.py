@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--parts", default=None,
         help="kernel, e2e, capacity (the default three), decode (steps over filled caches), prefill (chunked prefill "
-        "and a next turn over a packed history), sweep (launch parameters) and multi_gpu (see --multi-gpu)"
+        "and a next turn over a packed history), sweep (launch parameters), multi_gpu (see --multi-gpu) and compiles "
+        "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU)"
     )
     bench.add_argument("--methods", default=None,
                        help="cache specs of the kernel part (default: the README's front presets and INT2, "
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-batches", default="1,16", help="batches of the prefill part")
     bench.add_argument("--turn-tokens", type=int, default=2048,
                        help="tokens of the next turn the prefill part times over the prefilled history")
+    bench.add_argument("--compile-arch", type=int, default=90,
+                       help="the CUDA architecture the compiles part compiles for (default 90: Hopper)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -483,18 +486,18 @@ def _bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench import BenchConfig, run
+    from .bench import CPU_PARTS, BenchConfig, run
 
     try:
         if args.parts is None:
             parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
-        unknown = set(parts) - {"kernel", "e2e", "decode", "capacity", "sweep", "multi_gpu", "prefill"}
+        unknown = set(parts) - {"kernel", "e2e", "decode", "capacity", "sweep", "multi_gpu", "prefill", "compiles"}
         if unknown:
             raise UsageError(
                 f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, decode, prefill, capacity, "
-                "sweep, multi_gpu"
+                "sweep, multi_gpu, compiles"
             )
         if "multi_gpu" in parts and torch.cuda.device_count() < 2:
             raise UsageError(f"--multi-gpu needs at least 2 CUDA GPUs, {torch.cuda.device_count()} visible")
@@ -515,6 +518,7 @@ def _bench(args: argparse.Namespace) -> int:
             attentions=tuple(a for a in args.attentions.split(",") if a),
             prefill_batches=_int_list(args.prefill_batches, "--prefill-batches"),
             prefill_turn=args.turn_tokens,
+            compile_arch=args.compile_arch,
         )
         if not cfg.attentions or set(cfg.attentions) - {"sdpa", "eager", "hf_kvcache"}:
             raise UsageError(f"--attentions: choose from sdpa, eager, hf_kvcache (got {args.attentions!r})")
@@ -529,8 +533,9 @@ def _bench(args: argparse.Namespace) -> int:
             cfg.decode_methods = tuple(split_methods([args.decode_methods]))
         if args.methods is not None:
             cfg.methods = tuple(split_methods([args.methods]))
-        if not torch.cuda.is_available():
-            raise UsageError("bench measures GPU speed and needs a CUDA device (none is visible)")
+        if not torch.cuda.is_available() and set(parts) - set(CPU_PARTS):
+            raise UsageError("bench measures GPU speed and needs a CUDA device (none is visible); only --parts "
+                             "compiles runs without one")
     except UsageError as error:
         print(f"hf-kvcache: error: {error}", file=sys.stderr)
         return 2

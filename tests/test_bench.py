@@ -38,3 +38,22 @@ def test_a_row_without_dynamic_cache_says_so():
                host_us_per_layer=29.0)
     assert "(DynamicCache did not run)" in _e2e_line(row) and "x1.00" not in _e2e_line(row)
     assert "x1.34 DynamicCache" in _e2e_line(dict(row, vs_dynamic=1.34))
+
+
+def test_the_compile_census_finds_each_kernel_variant_once_and_none_for_another_prompt():
+    """`hf-kvcache bench --parts compiles` without a GPU: Triton compiles for sm_90 what a first `generate` of
+    `turboquant-3` launches (its three bit widths, a prompt in chunks, decode steps at every alignment, two next
+    turns), each kernel once per variant it needs: the pack kernel once per bit width, not once more per class of the
+    write's length (9 variants before the storage padded its fields), and a fresh cache with a prompt of another
+    length compiles nothing more."""
+    from hf_kvcache.bench.compiles import _census_in_fresh_process
+
+    calls = _census_in_fresh_process("turboquant-3", 64, 90)
+    assert [(c["call"], c["error"]) for c in calls] == [("prompt", None), ("turn", None), ("turn", None),
+                                                         ("prompt", None)]
+    every = [x for c in calls for x in c["compiles"]]
+    assert every and not [x for x in every if x["error"]]
+    packs = [x["variant"] for x in every if x["kernel"] == "_pack_turbo"]
+    assert sorted(v["BA"] for v in packs) == ["constexpr:2", "constexpr:3", "constexpr:4"]
+    assert {"_turbo_attn", "_combine", "_gather_codebook"} <= {x["kernel"] for x in every}
+    assert calls[-1]["compiles"] == []

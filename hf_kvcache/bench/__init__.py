@@ -22,6 +22,8 @@ Each part prints its baseline measured in the same run (STYLE.md #10):
   cache allocates for one sequence (all of the model's layers), against a bf16 cache.
 - multi_gpu (`multi_gpu.py`): the model on one GPU and split over every visible GPU (`split_model`), decode tokens/s
   and the largest batch that runs (`multi_gpu_part`).
+- compiles (`compiles.py`): the Triton compiles a first `generate` call waits for, counted on the host for a GPU
+  target (`compile_arch`); the one part that needs no GPU (`compiles_part`).
 """
 
 from __future__ import annotations
@@ -34,16 +36,19 @@ import torch
 from ._common import (KERNEL_SPECS, LLAMA3_8B, BenchConfig, _dense_cache_bytes, _layer_devices, _llama_config,
                       _tensor_bytes)
 from .capacity import capacity_part
+from .compiles import compiles_part
 from .e2e import _e2e_line, decode_part, e2e_part, e2e_row
 from .kernel import _attend, _filled_layer, kernel_part, sweep_part
 from .multi_gpu import multi_gpu_part, split_model, storage_devices
 from .prefill import prefill_part
 
 __all__ = [
+    "CPU_PARTS",
     "KERNEL_SPECS",
     "LLAMA3_8B",
     "BenchConfig",
     "capacity_part",
+    "compiles_part",
     "decode_part",
     "e2e_part",
     "e2e_row",
@@ -65,22 +70,27 @@ __all__ = [
 ]
 
 
+CPU_PARTS = ("compiles",)  # the parts that run without a GPU
+
+
 def run(cfg: BenchConfig, log=print) -> dict:
-    if not torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if not gpu and set(cfg.parts) - set(CPU_PARTS):
         raise RuntimeError("hf-kvcache bench measures GPU speed and needs a CUDA device")
-    # The baselines run without PyTorch's cuDNN attention (per-length plans, see DESIGN.md): say so.
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    props = torch.cuda.get_device_properties(0)
+    if gpu:
+        # The baselines run without PyTorch's cuDNN attention (per-length plans, see DESIGN.md): say so.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     import transformers
     import triton
 
     cfg.results["env"] = dict(
-        gpu=props.name, torch=torch.__version__, transformers=transformers.__version__, triton=triton.__version__,
-        date=time.strftime("%Y-%m-%d"), cudnn_sdp=False,
+        gpu=torch.cuda.get_device_properties(0).name if gpu else None, torch=torch.__version__,
+        transformers=transformers.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+        cudnn_sdp=False,
     )
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
-             "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part}
+             "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

@@ -50,6 +50,7 @@ class BenchConfig:
     attentions: tuple[str, ...] = ("sdpa",)
     prefill_batches: tuple[int, ...] = (1, 16)
     prefill_turn: int = 2048  # the second turn's tokens over the prefilled history (prefill part)
+    compile_arch: int = 90  # the CUDA architecture the compiles part compiles for (sm_90: Hopper)
     results: dict = field(default_factory=dict)
 
 
@@ -124,14 +125,15 @@ class _StepClock:
 _CALIBRATED: dict = {}
 
 
-def _calibrated(model):
-    """`model`'s calibration on 2048 random tokens, made once: the benchmarks' models have random weights, and the
-    presets that need one (KVQuant's ranges and codebooks) must find one."""
+def _calibrated(model, tokens: int = 2048):
+    """`model`'s calibration on `tokens` random tokens, made once: the benchmarks' models have random weights, and
+    the presets that need one (KVQuant's ranges and codebooks) must find one."""
     if id(model) not in _CALIBRATED:
         from ..calibration import calibrate
 
-        ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(1))
+        device = model.device
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device,
+                            generator=torch.Generator(device=device).manual_seed(1))
         _CALIBRATED[id(model)] = (model, calibrate(model, ids, chunk=1024, progress=False))
     return _CALIBRATED[id(model)][1]
 

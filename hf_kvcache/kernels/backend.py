@@ -8,6 +8,9 @@ always selectable).
 
 Set it with `set_backend(...)`, the `use_backend(...)` context manager, or `HF_KVCACHE_BACKEND` in the
 environment.
+
+`compiling_only()` (`hf-kvcache bench --parts compiles`): the launchers treat CPU tensors as if they were on the GPU,
+with no interpreter, while a stand-in Triton driver compiles each launch for a GPU target without running it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton")
 _backend = os.environ.get("HF_KVCACHE_BACKEND", "auto")
+_compile_only = False
 
 
 def _check(name: str) -> str:
@@ -49,7 +53,18 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return not _compile_only and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@contextmanager
+def compiling_only() -> Iterator[None]:
+    """Kernels for every device but under the "torch" backend, none of them interpreted (see the module's text)."""
+    global _compile_only
+    old, _compile_only = _compile_only, True
+    try:
+        yield
+    finally:
+        _compile_only = old
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +81,8 @@ def use_kernels(device: torch.device) -> bool:
     name = get_backend()
     if name == "torch":
         return False
+    if _compile_only:
+        return True
     if name == "auto":
         return device.type == "cuda" and triton_available()
     if not triton_available():
