@@ -18,6 +18,7 @@ from .models import DEFAULT_MODEL, load_model
 from .patching import unfuse
 from .planner import plan
 from .presets import PRESETS, describe, make_cache
+from .warmup import warm_up
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "make_cache",
     "plan",
     "unfuse",
+    "warm_up",
 ]
 
 _register_attention()

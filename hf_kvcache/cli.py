@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens of the next turn the prefill part times over the prefilled history")
     bench.add_argument("--compile-arch", type=int, default=90,
                        help="the CUDA architecture the compiles part compiles for (default 90: Hopper)")
+    bench.add_argument("--warm-up", action="store_true",
+                       help="the compiles part runs hf_kvcache.warm_up (parallel compiles) before the calls")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -519,6 +521,7 @@ def _bench(args: argparse.Namespace) -> int:
             prefill_batches=_int_list(args.prefill_batches, "--prefill-batches"),
             prefill_turn=args.turn_tokens,
             compile_arch=args.compile_arch,
+            compile_warm_up=args.warm_up,
         )
         if not cfg.attentions or set(cfg.attentions) - {"sdpa", "eager", "hf_kvcache"}:
             raise UsageError(f"--attentions: choose from sdpa, eager, hf_kvcache (got {args.attentions!r})")

@@ -48,7 +48,9 @@ def test_the_compile_census_finds_each_kernel_variant_once_and_none_for_another_
     length compiles nothing more."""
     from hf_kvcache.bench.compiles import _census_in_fresh_process
 
-    calls = _census_in_fresh_process("turboquant-3", 64, 90)
+    found = _census_in_fresh_process("turboquant-3", 64, 90)
+    calls = found["calls"]
+    assert found["warm_up"] is None
     assert [(c["call"], c["error"]) for c in calls] == [("prompt", None), ("turn", None), ("turn", None),
                                                          ("prompt", None)]
     every = [x for c in calls for x in c["compiles"]]
@@ -57,3 +59,14 @@ def test_the_compile_census_finds_each_kernel_variant_once_and_none_for_another_
     assert sorted(v["BA"] for v in packs) == ["constexpr:2", "constexpr:3", "constexpr:4"]
     assert {"_turbo_attn", "_combine", "_gather_codebook"} <= {x["kernel"] for x in every}
     assert calls[-1]["compiles"] == []
+
+
+def test_warm_up_compiles_every_variant_the_calls_launch():
+    """`hf_kvcache.warm_up` (its compiles on a pool of threads, for sm_90 here): after it, a prompt in chunks with
+    decode steps, two next turns and a fresh cache compile nothing more."""
+    from hf_kvcache.bench.compiles import _census_in_fresh_process
+
+    found = _census_in_fresh_process("kivi-2", 64, 90, warm=True)
+    assert found["warm_up"]["kernels"] >= 6 and found["warm_up"]["seconds"] > 0
+    assert [(c["call"], c["error"], c["compiles"]) for c in found["calls"]] == [
+        ("prompt", None, []), ("turn", None, []), ("turn", None, []), ("prompt", None, [])]

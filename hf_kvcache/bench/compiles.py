@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from contextlib import contextmanager
 
@@ -32,22 +31,21 @@ import torch
 
 from ._common import BenchConfig
 
-# (prompt past two chunks, next turns over it): each prompt is two of the part's chunks and this many tokens more;
-# the last call is a fresh cache
+# (prompt past two chunks, next turns over it): each prompt is two of the part's chunks and this many tokens more,
+# decoded `warmup.NEW_TOKENS` steps; the last call is a fresh cache
 CALLS = ((1000, (7, 100)), (1500, ()))
-NEW_TOKENS = 17  # decode steps write at 16 offsets in a row: every alignment class of a token's bytes
 
 
 @contextmanager
 def compile_only(arch: int = 90):
-    """Inside, every Triton launch compiles for CUDA sm_<arch> (cached as usual) and nothing runs; yields the list
-    that each compile appends to: `{"kernel", "seconds", "error"}`."""
+    """Inside, on CPU tensors, every Triton launch compiles for CUDA sm_<arch> (cached as usual) and nothing runs;
+    yields the list each compile appends to (`warmup.compile_only_launches`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.driver import DriverBase
-    from triton.runtime.jit import JITFunction
 
     from ..kernels import backend
+    from ..warmup import compile_only_launches
 
     class _Target(DriverBase):
         """Triton's view of a GPU that is not there: a target to compile for, device 0, stream 0."""
@@ -74,34 +72,11 @@ def compile_only(arch: int = 90):
         def get_benchmarker(self):
             raise NotImplementedError
 
-    compiles: list[dict] = []
-    run = JITFunction.run
-
-    def compile_launch(self, *args, grid, warmup, **kwargs):
-        cache = self.device_caches[0][0]  # (the per-device kernel cache: a new entry is a compile)
-        before, t0 = len(cache), time.perf_counter()
-        try:
-            kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        except Exception as error:
-            compiles.append(dict(kernel=self.fn.__name__, seconds=time.perf_counter() - t0,
-                                 error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"))
-            raise
-        if len(cache) > before:
-            seconds = time.perf_counter() - t0
-            # what this variant was compiled for: each argument's Triton type and specialization (a constexpr's value;
-            # an integer's or a pointer's class, "D" for divisible by 16) (Triton's binder, as `run` calls it)
-            _, spec, _ = self.device_caches[0][4](*args, **kwargs)
-            variant = {p.name: f"{v[0]}:{v[1]}" for p, v in zip(self.params, spec)}
-            compiles.append(dict(kernel=self.fn.__name__, seconds=seconds, error=None, variant=variant))
-        return kernel
-
     triton.runtime.driver.set_active(_Target())
-    JITFunction.run = compile_launch
     try:
-        with backend.compiling_only():
+        with backend.compiling_only(), compile_only_launches() as compiles:
             yield compiles
     finally:
-        JITFunction.run = run
         triton.runtime.driver._active = None  # back to the default driver, found again when next needed
 
 
@@ -116,20 +91,27 @@ def _model(layers: int = 1):
     return LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16).eval()
 
 
-def census(spec: str, chunk: int, arch: int = 90, batch: int = 1) -> list[dict]:
-    """The compiles of `CALLS` for one method (in this process: see `compiles_part` for a fresh one)."""
+def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = False) -> dict:
+    """The compiles of `CALLS` for one method (in this process: see `compiles_part` for a fresh one): `{"warm_up":
+    None, or what `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
     import warnings
 
     from .. import _compat
+    from ..warmup import NEW_TOKENS, warm_up
     from ._common import _calibrated, _make_e2e_cache, _needs_model, _set_attention
 
     model = _model()
     if _needs_model(spec):
         _calibrated(model, tokens=256)  # (before the kernels stop running; the cache's build takes this one)
-    out = []
+    out = {"warm_up": None, "calls": []}
     gen = torch.Generator().manual_seed(0)
     with compile_only(arch) as compiles, torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the kernels' garbage outputs)
+        if warm:
+            cache, attention = _make_e2e_cache(spec, model, attention="hf_kvcache")
+            _set_attention(model, attention)
+            out["warm_up"] = dict(warm_up(model, cache, batch_size=batch, prefill_chunk_size=chunk or None),
+                                  workers=min(16, len(os.sched_getaffinity(0))))
         for prompt, turns in CALLS:
             cache, attention = _make_e2e_cache(spec, model, attention="hf_kvcache")
             _set_attention(model, attention)
@@ -141,8 +123,8 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1) -> list[dict]:
                 try:
                     if what == "prompt":
                         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                       do_sample=False, prefill_chunk_size=chunk or None, disable_compile=True,
-                                       **_compat.cache_kwargs(cache))
+                                       min_new_tokens=NEW_TOKENS, do_sample=False, prefill_chunk_size=chunk or None,
+                                       disable_compile=True, **_compat.cache_kwargs(cache))
                     else:
                         turn = torch.randint(0, 512, (batch, n), generator=gen)
                         held = int(cache.get_seq_length())
@@ -151,17 +133,17 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1) -> list[dict]:
                               **_compat.cache_kwargs(cache))
                 except Exception as e:  # a failed compile is reported with its call, not raised
                     error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                out.append(dict(call=what, tokens=n, chunk=chunk if what == "prompt" else None,
-                                compiles=compiles[start:], error=error))
+                out["calls"].append(dict(call=what, tokens=n, chunk=chunk if what == "prompt" else None,
+                                         compiles=compiles[start:], error=error))
     return out
 
 
-def _census_in_fresh_process(spec: str, chunk: int, arch: int) -> list[dict]:
+def _census_in_fresh_process(spec: str, chunk: int, arch: int, warm: bool = False) -> dict:
     """`census` in a new Python with an empty Triton cache (a compile cached on disk would not count)."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "TRITON_CACHE_DIR": tmp, "TRITON_INTERPRET": "0", "HF_KVCACHE_BACKEND": "auto"}
-        done = subprocess.run([sys.executable, "-m", "hf_kvcache.bench.compiles", spec, str(chunk), str(arch)],
-                              env=env, capture_output=True, text=True)
+        argv = [sys.executable, "-m", "hf_kvcache.bench.compiles", spec, str(chunk), str(arch), str(int(warm))]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the compile census of {spec} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -172,9 +154,12 @@ def compiles_part(cfg: BenchConfig, log=print) -> list[dict]:
     chunk = cfg.e2e_prefill_chunk or 0
     rows = []
     for spec in cfg.methods:
-        calls = _census_in_fresh_process(spec, chunk, cfg.compile_arch)
+        found = _census_in_fresh_process(spec, chunk, cfg.compile_arch, cfg.compile_warm_up)
+        if found["warm_up"]:
+            w = found["warm_up"]
+            log(f"{spec:>16} warm_up: {w['kernels']} variants in {w['seconds']:.2f} s ({w['workers']} threads)")
         variants: dict[str, list[dict]] = {}  # each kernel's variants so far
-        for c in calls:
+        for c in found["calls"]:
             names = Counter(x["kernel"] for x in c["compiles"])
             differ = []  # (kernel, the arguments a variant differs in from the nearest earlier one)
             for x in c["compiles"]:
@@ -193,11 +178,10 @@ def compiles_part(cfg: BenchConfig, log=print) -> list[dict]:
                 + "".join(f"\n{'':17}FAILED {x['kernel']}: {x['error']}" for x in failed)
                 + (f"\n{'':17}call error: {c['error']}" if c["error"] else "")
                 + "".join(f"\n{'':17}{k} again, for another {', '.join(sorted(v))}" for k, v in differ))
-        rows.append(dict(method=spec, arch=cfg.compile_arch, calls=calls))
+        rows.append(dict(method=spec, arch=cfg.compile_arch, **found))
     cfg.results["compiles"] = rows
     return rows
 
 
-if __name__ == "__main__":  # the fresh process of `_census_in_fresh_process`: SPEC CHUNK ARCH -> JSON on stdout
-    calls = census(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
-    print(json.dumps(calls))
+if __name__ == "__main__":  # the fresh process of `_census_in_fresh_process`: SPEC CHUNK ARCH WARM -> JSON on stdout
+    print(json.dumps(census(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), warm=sys.argv[4] == "1")))
