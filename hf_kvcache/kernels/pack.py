@@ -52,8 +52,9 @@ def _pack_rows(q, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 
 
 # Only token counts (which change every step) are left unspecialized: the strides keep their divisibility by 16,
-# which lets Triton vectorize the stores (see `decode._VARYING`).
-@triton.jit(do_not_specialize=("T",))
+# which lets Triton vectorize the stores (see `decode._VARYING`). So is the alignment of the scales and zeros (a few
+# bytes a token, so a write's first row decides it): decode steps compiled a second variant for it.
+@triton.jit(do_not_specialize=("T",), do_not_specialize_on_alignment=("SC", "Z"))
 def _pack_per_token(
     X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, SC, ss_b, ss_h, ss_t, Z, T, H, clip,
     D: tl.constexpr, CHG: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_T: tl.constexpr,
