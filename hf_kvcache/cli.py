@@ -195,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--parts", default=None,
         help="kernel, e2e, capacity (the default three), decode (steps over filled caches), prefill (chunked prefill "
-        "and a next turn over a packed history), sweep (launch parameters), multi_gpu (see --multi-gpu) and compiles "
-        "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU)"
+        "and a next turn over a packed history), sweep (launch parameters), multi_gpu (see --multi-gpu), compiles "
+        "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU) and first_call (a first "
+        "generate on an empty Triton cache against the second, with and without warm_up)"
     )
     bench.add_argument("--methods", default=None,
                        help="cache specs of the kernel part (default: the README's front presets and INT2, "
@@ -495,12 +496,10 @@ def _bench(args: argparse.Namespace) -> int:
             parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
-        unknown = set(parts) - {"kernel", "e2e", "decode", "capacity", "sweep", "multi_gpu", "prefill", "compiles"}
+        known = ("kernel", "e2e", "decode", "prefill", "capacity", "sweep", "multi_gpu", "compiles", "first_call")
+        unknown = set(parts) - set(known)
         if unknown:
-            raise UsageError(
-                f"--parts: unknown part(s) {sorted(unknown)}; choose from kernel, e2e, decode, prefill, capacity, "
-                "sweep, multi_gpu, compiles"
-            )
+            raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(known)}")
         if "multi_gpu" in parts and torch.cuda.device_count() < 2:
             raise UsageError(f"--multi-gpu needs at least 2 CUDA GPUs, {torch.cuda.device_count()} visible")
         cfg = BenchConfig(

@@ -97,7 +97,8 @@ def warm_up(model, cache, *, batch_size: int = 1, prefill_chunk_size: int | None
     cache does) or a cache that holds nothing yet, which is copied and left as it is.
     `batch_size`, `prefill_chunk_size`: as the calls to come will run (a batch of more than one is warmed both
     left-padded and not). Returns `{"kernels": variants compiled, "seconds": the wall time}`; a model whose tensors
-    do not go through the kernels (on the CPU) returns at once."""
+    do not go through the kernels (on the CPU) returns at once. Call it before serving starts: while it runs, a Triton
+    kernel that another thread launches is compiled and not run."""
     from .presets import make_cache
 
     if batch_size < 1 or (prefill_chunk_size is not None and prefill_chunk_size < 1):
@@ -145,9 +146,11 @@ def warm_up(model, cache, *, batch_size: int = 1, prefill_chunk_size: int | None
         warnings.warn(f"warm_up: {len(submitted) - len(done)} kernel variant(s) failed to compile; the calls will "
                       "compile them again and say why (the library reads through its reference where a kernel "
                       "cannot)", stacklevel=2)
-    if model.device.type == "cuda":
+    devices = {p.device for p in model.parameters()}
+    if devices == {model.device} and model.device.type == "cuda":
         # what a first launch does besides compiling: build the launcher of each signature (a C compile, cached on
-        # disk) and load the module onto the device (Triton's `CompiledKernel._init_handles`, where it has one)
+        # disk) and load the module onto the device (Triton's `CompiledKernel._init_handles`, where it has one). Only
+        # for a model on one GPU: a kernel is loaded onto the current device, which must be the one it serves.
         with torch.cuda.device(model.device):
             for kernel in done:
                 if hasattr(kernel, "_init_handles"):

@@ -24,6 +24,8 @@ Each part prints its baseline measured in the same run (STYLE.md #10):
   and the largest batch that runs (`multi_gpu_part`).
 - compiles (`compiles.py`): the Triton compiles a first `generate` call waits for, counted on the host for a GPU
   target (`compile_arch`); the one part that needs no GPU (`compiles_part`).
+- first_call (`compiles.py`): a first `generate` on an empty Triton cache against the second, with and without
+  `hf_kvcache.warm_up` first (`first_call_part`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from ._common import (KERNEL_SPECS, LLAMA3_8B, BenchConfig, _dense_cache_bytes, _layer_devices, _llama_config,
                       _tensor_bytes)
 from .capacity import capacity_part
-from .compiles import compiles_part
+from .compiles import compiles_part, first_call_part
 from .e2e import _e2e_line, decode_part, e2e_part, e2e_row
 from .kernel import _attend, _filled_layer, kernel_part, sweep_part
 from .multi_gpu import multi_gpu_part, split_model, storage_devices
@@ -52,6 +54,7 @@ __all__ = [
     "decode_part",
     "e2e_part",
     "e2e_row",
+    "first_call_part",
     "kernel_part",
     "multi_gpu_part",
     "prefill_part",
@@ -90,7 +93,8 @@ def run(cfg: BenchConfig, log=print) -> dict:
     )
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
-             "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part}
+             "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part,
+             "first_call": first_call_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from contextlib import contextmanager
 
@@ -139,14 +140,8 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
 
 
 def _census_in_fresh_process(spec: str, chunk: int, arch: int, warm: bool = False) -> dict:
-    """`census` in a new Python with an empty Triton cache (a compile cached on disk would not count)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "TRITON_CACHE_DIR": tmp, "TRITON_INTERPRET": "0", "HF_KVCACHE_BACKEND": "auto"}
-        argv = [sys.executable, "-m", "hf_kvcache.bench.compiles", spec, str(chunk), str(arch), str(int(warm))]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"the compile census of {spec} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    """`census` in a new Python with an empty Triton cache."""
+    return _fresh_process("census", spec, chunk, arch, int(warm))
 
 
 def compiles_part(cfg: BenchConfig, log=print) -> list[dict]:
@@ -183,5 +178,77 @@ def compiles_part(cfg: BenchConfig, log=print) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":  # the fresh process of `_census_in_fresh_process`: SPEC CHUNK ARCH WARM -> JSON on stdout
-    print(json.dumps(census(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), warm=sys.argv[4] == "1")))
+# ------------------------------------------------------------------ the first call on the GPU
+
+
+def first_call(spec: str, batch: int, warm: bool, layers: int, context: int, chunk: int) -> dict:
+    """On the GPU, in this process (its Triton cache empty: see `first_call_part`): DynamicCache's `generate` first
+    (CUDA's, cuBLAS's and SDPA's own start), then `warm_up` if `warm`, then two calls through fresh caches of `spec`,
+    each a prompt of `context` tokens in chunks of `chunk` and 16 new tokens -> their seconds."""
+    from .. import _compat
+    from ..warmup import warm_up
+    from ._common import _make_e2e_cache, _random_model, _set_attention, _sync
+
+    model = _random_model(layers)
+    device = model.device
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+
+    def call(name: str) -> float:
+        cache, attention = _make_e2e_cache(name, model)
+        _set_attention(model, attention)
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                       prefill_chunk_size=chunk or None, disable_compile=True, **_compat.cache_kwargs(cache))
+        _sync(device)
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        call("dynamic")
+        warm_s = None
+        if warm:
+            cache, attention = _make_e2e_cache(spec, model)
+            _set_attention(model, attention)
+            warm_s = warm_up(model, cache, batch_size=batch, prefill_chunk_size=chunk or None)["seconds"]
+        first = call(spec)
+        second = call(spec)
+    return dict(method=spec, batch=batch, warm_up_s=warm_s, first_s=first, second_s=second)
+
+
+def _fresh_process(*args) -> dict:
+    """This module's `__main__` with `args` in a new Python whose Triton cache is empty (a compile cached on disk
+    would not count) -> the JSON it prints last."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TRITON_CACHE_DIR": tmp, "TRITON_INTERPRET": "0", "HF_KVCACHE_BACKEND": "auto"}
+        done = subprocess.run([sys.executable, "-m", "hf_kvcache.bench.compiles", *map(str, args)], env=env,
+                              capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(map(str, args))} failed in its own process:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def first_call_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Each of `methods`' first `generate` on an empty Triton cache against its second, at each of `prefill_batches`
+    (a prompt of 4096 tokens in chunks of `e2e_prefill_chunk`, the 8B-shaped model of `e2e_layers` layers), without
+    and with `warm_up` first: issue 39's target is a first call at most 5 s slower than the second."""
+    rows = []
+    for spec in cfg.methods:
+        for batch in cfg.prefill_batches:
+            for warm in (False, True):
+                r = _fresh_process("first_call", spec, batch, int(warm), cfg.e2e_layers, 4096,
+                                   cfg.e2e_prefill_chunk or 0)
+                rows.append(r)
+                warmed = f"after warm_up of {r['warm_up_s']:6.2f} s" if warm else "cold" + " " * 22
+                log(f"{spec:>16} batch {batch:3d} {warmed}: first call {r['first_s']:7.2f} s, second "
+                    f"{r['second_s']:7.2f} s, first - second {r['first_s'] - r['second_s']:+7.2f} s")
+    cfg.results["first_call"] = rows
+    return rows
+
+
+if __name__ == "__main__":  # the fresh processes of `_fresh_process`: the part's function and its arguments -> JSON
+    what, spec, args = sys.argv[1], sys.argv[2], [int(a) for a in sys.argv[3:]]
+    if what == "census":
+        print(json.dumps(census(spec, args[0], args[1], warm=bool(args[2]))))
+    else:
+        print(json.dumps(first_call(spec, args[0], bool(args[1]), *args[2:])))
