@@ -93,6 +93,8 @@ class StreamStorage:
         self.packed: dict[str, torch.Tensor] = {}
         self.ring: torch.Tensor | None = None
         self.ring_index: torch.Tensor | None = None  # (R + 1,) int64: the index past the sinks each ring row holds
+        # a crop since the sequence began: later tokens, since cropped, may hold the ring rows of packed ones (host)
+        self._cropped = False
         self._fields: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}  # per field: heads, row tail, dtype
 
     # --- storage
@@ -273,8 +275,8 @@ class StreamStorage:
         # Rows for a multiple of 16 blocks, of which the first n are written: the pack kernels then see batch and head
         # strides of the same divisibility whatever the write's length, as in the storage itself (whose capacity is a
         # multiple of 16 rows). Sized to n, a field's strides followed the prompt's length, and each of their classes
-        # (1, a multiple of 16, neither) compiled its own variant of the kernel: up to 9 of TurboQuant's for a first
-        # chunked `generate` (`hf-kvcache bench --parts compiles`).
+        # (1, a multiple of 16, neither) compiled its own variant of the kernel: 12 of TurboQuant's for a first chunked
+        # `generate` of `turboquant-3`, now 3 (`hf-kvcache bench --parts compiles`, BENCHMARKS.md 2026-12-05).
         rows = -(-n // 16) * 16
         out = {k: torch.empty((b, h if heads > 1 else 1, rows, *tail), dtype=dtype, device=x.device)[:, :, :n]
                for k, (heads, tail, dtype) in self._fields.items()}
@@ -371,13 +373,19 @@ class StreamStorage:
         index each row holds) take their value back from the packed place, dequantized. The packed place has each of
         them: a FIFO window packed a token when the token R later pushed it out, a block flush packed its window's
         blocks as they completed. The one case where a stored token is not exact."""
-        r = self.ring_length
-        if not r:
+        if not self.ring_length:
             return
+        self._cropped = True
         _, first, n_res, _ = self.split(held)
-        if not n_res:
+        self._refill(first, n_res, dtype)
+
+    def _refill(self, first: int, n: int, dtype: torch.dtype) -> None:
+        """`refill_ring` for the tokens of indices `first .. first + n` (past the sinks): those whose ring rows later
+        tokens took, from the packed place."""
+        r = self.ring_length
+        if not n:
             return
-        idx = torch.arange(first, first + n_res, device=self.ring.device)
+        idx = torch.arange(first, first + n, device=self.ring.device)
         stale = idx[self.ring_index[idx % r] != idx]
         if not stale.numel():
             return
@@ -392,19 +400,30 @@ class StreamStorage:
         """Give every buffer back (a growing layer's `reset`); `allocate` makes them again at the next write."""
         self.packed, self.sink, self.ring, self.ring_index = {}, None, None, None
         self.capacity = self.rows = 0
+        self._cropped = False
 
     def reset(self) -> None:
         """A new sequence in the same buffers: no ring row holds a token of it yet."""
         if self.ring_index is not None:
             self.ring_index.fill_(-1)
+        self._cropped = False
 
     def drop_front(self, n: int, held: int, pads: torch.Tensor | None = None, offset=0) -> None:
         """Forget the `n` oldest of `held` tokens (a sliding window's bulk trim; no sinks; `n` a multiple of the block
         size if whole windows of a block flush remain, `may_drop`): the packed rows move to the front, and the ring's
         rows turn by `n` so that token i sits in row i mod R again (the ring holds the last R tokens written, which
-        covers every residual token after the trim). A block flush then packs again, from the ring, the complete
-        blocks of its window as they now align. `pads`, `offset`: as in `write`, for the tokens held after the trim."""
+        covers every residual token after the trim, but for those a crop let later tokens overwrite: taken back from
+        the packed rows first). A block flush then packs again, from the ring, the complete blocks of its window as
+        they now align. `pads`, `offset`: as in `write`, for the tokens held after the trim."""
         b = self.codec.block_size
+        if self.block and self._cropped:
+            # The tokens the trim leaves in the window must be in their ring rows: after a crop, later tokens (since
+            # cropped) may hold the rows of tokens that were packed and that a block flush's realigned window now reads
+            # from the ring. They come back from the packed rows first, in the numbering before the trim. (A FIFO
+            # window's residual after a trim is the newest of its residual before it.) Found by
+            # tests/test_cache_properties.py: a sliding layer, keys block-flushed, cropped, then trimmed.
+            _, first, n_res, _ = self.split(held - n)
+            self._refill(n + first, n_res, self.ring.dtype)
         _, n_packed, _, _ = self.split(held)
         stored = n_packed if not self.block else held  # a block flush packs the blocks of its window as they fill
         live = min(-(-stored // b), self.rows)

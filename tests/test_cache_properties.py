@@ -338,3 +338,36 @@ LayerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestQuantizedKVLayer = LayerMachine.TestCase
+
+
+def test_a_trim_after_a_crop_reads_the_cropped_window_back():
+    """The sequence the machine above once found (it draws at random, so it is kept here): a sliding layer (window
+    5) whose keys are block-flushed through a window of 4, 11 tokens held, 3 cropped, then one more token, whose
+    write trims the front. The trim realigns the block flush's window, which then reads from the ring tokens that
+    were packed; the crop had left the later, cropped tokens in their ring rows (keys read token 10 where token 6
+    was). Values (a FIFO window) and every other place stay exact."""
+    saved, layer_module._SLIDING_CROP_MARGIN = layer_module._SLIDING_CROP_MARGIN, 1
+    try:
+        policy = LayerPolicy(LosslessCodec(1), LosslessCodec(2), key_residual_length=4, value_residual_length=0,
+                             key_flush="block", value_flush="fifo")
+        layer = QuantizedKVLayer(policy, sliding_window=5)
+        gen = torch.Generator().manual_seed(0)
+        held = []
+
+        def write(serials):
+            k = torch.randn(2, 1, len(serials), D, generator=gen)
+            k[..., 0] = torch.tensor(serials, dtype=torch.float32)
+            held.extend(k.unbind(2))
+            return layer.update(k, -k)
+
+        write([0])
+        write(list(range(1, 11)))
+        layer.crop(-3)
+        del held[-3:]
+        kv_len, offset = layer.get_mask_sizes(1)
+        keys, values = write([11])
+        want = torch.stack(held, 2)[:, :, offset : offset + kv_len]
+        assert keys[0, 0, :, 0].tolist() == [2, 3, 4, 5, 6, 7, 11]
+        assert torch.equal(keys, want) and torch.equal(values, -want)
+    finally:
+        layer_module._SLIDING_CROP_MARGIN = saved
