@@ -1,7 +1,7 @@
 """`warm_up`: compile, side by side, every kernel variant a cache's `generate` launches, before the first call.
 
 On a machine whose Triton cache is empty, the first `generate` through a cache waits for each kernel variant it
-launches to compile, one after another, as each is first launched (7-10 variants for a front preset:
+launches to compile, one after another, as each is first launched (5-10 variants for a front preset:
 `hf-kvcache bench --parts compiles`). `warm_up` finds them all at once: it runs short calls (a prompt in chunks,
 decode steps, two next turns; a left-padded batch too) through a copy of the cache in which no kernel runs, each
 launch only submitting its compile to a pool of threads (Triton's `AsyncCompileMode`), and waits for the pool. The
@@ -68,7 +68,7 @@ def compile_only_launches():
         JITFunction.run = run
 
 
-def short_calls(model, cache, batch_size: int, prefill_chunk_size: int | None, padded: bool,
+def _short_calls(model, cache, batch_size: int, prefill_chunk_size: int | None, padded: bool,
                 generator: torch.Generator | None = None) -> None:
     """The calls `warm_up` makes through `cache`: a prompt of two chunks and 100 tokens more (300 unchunked), decoded
     `NEW_TOKENS` steps, then each of `TURNS` over it; `padded`: the batch's first row left-padded by 5 tokens."""
@@ -135,7 +135,7 @@ def warm_up(model, cache, *, batch_size: int = 1, prefill_chunk_size: int | None
             warnings.simplefilter("ignore")  # (nothing runs: the outputs are garbage)
             with mode:
                 for padded in ([False, True] if batch_size > 1 else [False]):
-                    short_calls(model, copy.deepcopy(cache), batch_size, prefill_chunk_size, padded, generator)
+                    _short_calls(model, copy.deepcopy(cache), batch_size, prefill_chunk_size, padded, generator)
     finally:
         if pool is not None:
             pool.shutdown()

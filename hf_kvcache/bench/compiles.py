@@ -14,7 +14,12 @@ attention shape (32 query and 8 kv heads, head_dim 128; one layer, narrow otherw
 `hf_kvcache` attention. Its calls (`CALLS`): a prompt prefilled in chunks (two whole ones and a part) and decoded a
 few steps, a next turn of a few tokens over it (the chunk kernel) and one of more (the workspace path of
 `hf_kvcache.prefill`), then a fresh cache with a prompt of another length, which should compile nothing more. The
-outputs are garbage (nothing runs); only which kernels launch matters.
+outputs are garbage (nothing runs); only which kernels launch matters. With `compile_warm_up` (`--warm-up`),
+`hf_kvcache.warm_up` runs first, its compiles side by side on this host's threads, and the calls after it should
+compile nothing.
+
+The first_call part (`first_call_part`, on the GPU) times what the census cannot: a first `generate` on an empty
+Triton cache against the second, with and without `warm_up` first.
 """
 
 from __future__ import annotations

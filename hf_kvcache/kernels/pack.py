@@ -152,9 +152,9 @@ def _per_channel_block(X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, b, h, blk, tok, d
         dq = q * scale[None, :] + zero[None, :] - x
         best = tl.sum(dq * dq, 0)
         width = hi - lo
-        # Runtime loops, not unrolled: the 24 candidates unrolled made this kernel take 3.4-3.9 s to compile (Triton
-        # 3.6 for sm_90, `hf-kvcache compiles`), most of a KIVI cache's first call; the order, and so the winner
-        # among equal errors, is the same.
+        # Runtime loops, not unrolled: the 24 candidates unrolled made this kernel most of a KIVI cache's first-call
+        # compiles (10.9 -> 5.6 s for sm_90 with Triton 3.6, `hf-kvcache bench --parts compiles`, BENCHMARKS.md
+        # 2026-12-05); the order, and so the winner among equal errors, is the same.
         for ia in range(5):
             for ib in range(5):
                 if ia + ib > 0:
