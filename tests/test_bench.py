@@ -44,8 +44,8 @@ def test_the_compile_census_finds_each_kernel_variant_once_and_none_for_another_
     """`hf-kvcache bench --parts compiles` without a GPU: Triton compiles for sm_90 what a first `generate` of
     `turboquant-3` launches (its three bit widths, a prompt in chunks, decode steps at every alignment, two next
     turns), each kernel once per variant it needs: the pack kernel once per bit width, not once more per class of the
-    write's length (9 variants before the storage padded its fields), and a fresh cache with a prompt of another
-    length compiles nothing more."""
+    write's length (12 variants at the 8B heads before the storage padded its fields), and a fresh cache with a
+    prompt of another length compiles nothing more."""
     from hf_kvcache.bench.compiles import _census_in_fresh_process
 
     found = _census_in_fresh_process("turboquant-3", 64, 90)
