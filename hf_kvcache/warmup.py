@@ -68,24 +68,44 @@ def compile_only_launches():
         JITFunction.run = run
 
 
-def _short_calls(model, cache, batch_size: int, prefill_chunk_size: int | None, padded: bool,
-                generator: torch.Generator | None = None) -> None:
-    """The calls `warm_up` makes through `cache`: a prompt of two chunks and 100 tokens more (300 unchunked), decoded
-    `NEW_TOKENS` steps, then each of `TURNS` over it; `padded`: the batch's first row left-padded by 5 tokens."""
+def default_workers() -> int:
+    """`warm_up`'s threads by default: the CPUs this process may use, at most 16."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(16, cpus or 1)
+
+
+def calls(model, cache, ids: torch.Tensor, mask: torch.Tensor, prefill_chunk_size: int | None, turns=TURNS,
+          generator: torch.Generator | None = None):
+    """The calls through `cache` that `warm_up` (and the compiles part) make, one at a time: `generate` of `ids` in
+    chunks of `prefill_chunk_size`, `NEW_TOKENS` new tokens, then a forward of each of `turns` random tokens over
+    what is held; yields `("prompt", ids' length)`, then `("turn", n)` after each."""
     device = model.device
     vocab = _compat.text_config(model.config).vocab_size
+    batch = ids.shape[0]
+    model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                   prefill_chunk_size=prefill_chunk_size, disable_compile=True, **_compat.cache_kwargs(cache))
+    yield "prompt", ids.shape[1]
+    for n in turns:
+        turn = torch.randint(0, vocab, (batch, n), generator=generator).to(device)
+        held = int(cache.get_seq_length())
+        mask = torch.cat([mask, torch.ones((batch, held - mask.shape[1] + n), dtype=mask.dtype, device=device)], 1)
+        model(input_ids=turn, attention_mask=mask, use_cache=True, logits_to_keep=1, **_compat.cache_kwargs(cache))
+        yield "turn", n
+
+
+def _short_calls(model, cache, batch_size: int, prefill_chunk_size: int | None, padded: bool,
+                 generator: torch.Generator | None = None) -> None:
+    """`calls` with a prompt of two chunks and 100 tokens more (300 unchunked); `padded`: the batch's first row
+    left-padded by 5 tokens."""
+    vocab = _compat.text_config(model.config).vocab_size
     chunk = prefill_chunk_size or 0
-    ids = torch.randint(0, vocab, (batch_size, 2 * chunk + (100 if chunk else 300)), generator=generator).to(device)
+    ids = torch.randint(0, vocab, (batch_size, 2 * chunk + (100 if chunk else 300)), generator=generator)
+    ids = ids.to(model.device)
     mask = torch.ones_like(ids)
     if padded:
         mask[0, :5] = 0
-    model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                   prefill_chunk_size=prefill_chunk_size, disable_compile=True, **_compat.cache_kwargs(cache))
-    for n in TURNS:
-        turn = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
-        held = int(cache.get_seq_length())
-        mask = torch.cat([mask, torch.ones((batch_size, held - mask.shape[1] + n), dtype=mask.dtype, device=device)], 1)
-        model(input_ids=turn, attention_mask=mask, use_cache=True, logits_to_keep=1, **_compat.cache_kwargs(cache))
+    for _ in calls(model, cache, ids, mask, prefill_chunk_size, generator=generator):
+        pass
 
 
 def warm_up(model, cache, *, batch_size: int = 1, prefill_chunk_size: int | None = None,
@@ -116,7 +136,7 @@ def warm_up(model, cache, *, batch_size: int = 1, prefill_chunk_size: int | None
         return {"kernels": 0, "seconds": 0.0}
     import triton
 
-    workers = workers or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = workers or default_workers()
     asynchronous = getattr(triton, "AsyncCompileMode", None)  # (Triton 3.5 and later; else one compile at a time)
     pool = ThreadPoolExecutor(workers) if asynchronous else None
     mode = asynchronous(pool, ignore_errors=True) if asynchronous else nullcontext()

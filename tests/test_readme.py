@@ -4,10 +4,11 @@ the embedded default model, and raises no deprecation warning (transformers 5.24
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.checks import deprecations_are_errors
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -26,9 +27,7 @@ def quickstart() -> str:
 def test_the_quickstart_runs_without_a_deprecation_warning(capsys):
     code = quickstart()
     assert "attn_implementation" not in code, "the quickstart promises no attention argument"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        warnings.simplefilter("error", DeprecationWarning)
+    with deprecations_are_errors():
         namespace: dict = {}
         exec(compile(code, str(README), "exec"), namespace)
     out = namespace["out"]

@@ -102,8 +102,7 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
     None, or what `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
     import warnings
 
-    from .. import _compat
-    from ..warmup import NEW_TOKENS, warm_up
+    from ..warmup import calls, default_workers, warm_up
     from ._common import _calibrated, _make_e2e_cache, _needs_model, _set_attention
 
     model = _model()
@@ -117,30 +116,21 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
             cache, attention = _make_e2e_cache(spec, model, attention="hf_kvcache")
             _set_attention(model, attention)
             out["warm_up"] = dict(warm_up(model, cache, batch_size=batch, prefill_chunk_size=chunk or None),
-                                  workers=min(16, len(os.sched_getaffinity(0))))
+                                  workers=default_workers())
         for prompt, turns in CALLS:
             cache, attention = _make_e2e_cache(spec, model, attention="hf_kvcache")
             _set_attention(model, attention)
             ids = torch.randint(0, 512, (batch, 2 * chunk + prompt), generator=gen)
-            steps = [("prompt", ids.shape[1])] + [("turn", t) for t in turns]
-            for what, n in steps:
-                start = len(compiles)
-                error = None
-                try:
-                    if what == "prompt":
-                        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                       min_new_tokens=NEW_TOKENS, do_sample=False, prefill_chunk_size=chunk or None,
-                                       disable_compile=True, **_compat.cache_kwargs(cache))
-                    else:
-                        turn = torch.randint(0, 512, (batch, n), generator=gen)
-                        held = int(cache.get_seq_length())
-                        mask = torch.ones(batch, held + n, dtype=torch.long)
-                        model(input_ids=turn, attention_mask=mask, use_cache=True, logits_to_keep=1,
-                              **_compat.cache_kwargs(cache))
-                except Exception as e:  # a failed compile is reported with its call, not raised
-                    error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                out["calls"].append(dict(call=what, tokens=n, chunk=chunk if what == "prompt" else None,
-                                         compiles=compiles[start:], error=error))
+            steps = calls(model, cache, ids, torch.ones_like(ids), chunk or None, turns, gen)
+            start = len(compiles)
+            try:
+                for what, n in steps:
+                    out["calls"].append(dict(call=what, tokens=n, chunk=chunk if what == "prompt" else None,
+                                             compiles=compiles[start:], error=None))
+                    start = len(compiles)
+            except Exception as e:  # a failed compile is reported with the call it stopped, not raised
+                out["calls"].append(dict(call="failed", tokens=None, chunk=None, compiles=compiles[start:],
+                                         error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
     return out
 
 
@@ -172,7 +162,8 @@ def compiles_part(cfg: BenchConfig, log=print) -> list[dict]:
                 seen.append(x["variant"])
             seconds = sum(x["seconds"] for x in c["compiles"])
             failed = [x for x in c["compiles"] if x["error"]]
-            what = f"{c['call']} of {c['tokens']}" + (f" in chunks of {c['chunk']}" if c["chunk"] else "")
+            what = (f"{c['call']} of {c['tokens']}" if c["tokens"] else "the next call")
+            what += f" in chunks of {c['chunk']}" if c["chunk"] else ""
             log(f"{spec:>16} {what:<28} {len(c['compiles']):3d} compiles {seconds:6.2f} s  "
                 + " ".join(f"{k}x{v}" if v > 1 else k for k, v in names.items())
                 + "".join(f"\n{'':17}FAILED {x['kernel']}: {x['error']}" for x in failed)
