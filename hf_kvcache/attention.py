@@ -185,10 +185,14 @@ def fused_attention(
     if _attends_to_itself(layer, query, key, softcap, s_aux):
         return _prefill_attention(query, key, value, attention_mask, scaling)
     chunk = query.shape[2] > 1
-    if (chunk and attention_mask is None and not layer.quantize_before_attention and softcap is None and s_aux is None
+    if (chunk and not layer.quantize_before_attention and softcap is None and s_aux is None
             and prefill.use_workspace(query, key.new.shape[1])):
-        # many query tokens over a packed history: dequantized once into a workspace, read by flash attention
-        return prefill.prefill_attention(query, layer, keys, values, key.new, value.new, scaling)
+        # many query tokens over a packed history: dequantized once into a workspace, read by flash attention; a
+        # left-padded batch's rows each from their first unpadded token (any other mask: the decode kernel)
+        pads = None if attention_mask is None else prefill.left_padding(attention_mask, query.shape[2],
+                                                                        layer.held_tokens)
+        if attention_mask is None or pads is not None:
+            return prefill.prefill_attention(query, layer, keys, values, key.new, value.new, scaling, pads=pads)
     if chunk and getattr(layer, "_chunk_kernel_failed", False):
         return None
     try:

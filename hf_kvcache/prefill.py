@@ -14,8 +14,11 @@ attention runs there with the query rotated in, `q F`, and its output rotated ba
 model's. KVQuant's history is dequantized by its reference codecs (`QuantizedKVLayer.iter_kv_chunks`).
 
 `hf_kvcache.attention.fused_attention` takes this path on CUDA for a chunk of more than `PREFILL["min_rows"]` query
-rows (Tq times the query heads per kv-head) whose mask is plain causal; fewer rows (assisted decoding's few tokens)
-stay with the decode kernel, which reads the packed bytes once.
+rows (Tq times the query heads per kv-head) whose mask is plain causal, or causal with each batch row's first tokens
+padded (`left_padding`: a left-padded batch prefilled in chunks); fewer rows (assisted decoding's few tokens) stay
+with the decode kernel, which reads the packed bytes once. A padded row reads its history and its own chunk from its
+first unpadded token on, by itself (flash attention takes no mask); its padded query rows attend to nothing and give
+0, as the reference does.
 """
 
 from __future__ import annotations
@@ -45,12 +48,40 @@ def use_workspace(query: torch.Tensor, hkv: int) -> bool:
             and query.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
+def left_padding(mask: torch.Tensor, tq: int, held: int) -> list[int] | None:
+    """Each batch row's padded tokens `p_b` when boolean `mask (B or 1, 1, Tq, S >= held)` (True = attend) is
+    bottom-right causal over the `held` tokens with every row's first `p_b` of them masked and nothing else (a
+    left-padded batch's mask, its fully padded query rows attending nothing), else None. One host read; the
+    comparison runs over `_CHECK_ROWS` query rows at a time (the mask of a 2048-token chunk over 32k tokens at batch
+    16 is 1 GiB)."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != tq or held < tq or mask.shape[-1] < held:
+        return None
+    last = mask[:, 0, -1, :held]  # the chunk's last token attends to every unpadded token
+    pads = torch.where(last.any(-1), last.to(torch.uint8).argmax(-1), held)
+    col = torch.arange(held, device=mask.device)
+    ok = ~mask[..., held:].any()
+    for r0 in range(0, tq, _CHECK_ROWS):
+        t = torch.arange(r0, min(r0 + _CHECK_ROWS, tq), device=mask.device)
+        expected = (col >= pads[:, None, None, None]) & (col <= (held - tq + t)[:, None])
+        ok &= (mask[:, :, r0 : r0 + _CHECK_ROWS, :held] == expected).all()
+    found = torch.cat([pads, ok.view(1).long()]).tolist()
+    return found[:-1] if found[-1] else None
+
+
+_CHECK_ROWS = 256
+
+
 def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor,
-                      v_new: torch.Tensor, scaling: float) -> torch.Tensor:
+                      v_new: torch.Tensor, scaling: float, pads: list[int] | None = None) -> torch.Tensor:
     """`query (B, Hq, Tq, D)` (keys' frame: `layer.rotate_query` applied) over the history `layer` held before this
-    chunk (`keys`/`values`: its kernel views) and the chunk's own exact `k_new`/`v_new (B, Hkv, Tq, D)`, causal and
-    unmasked -> `(B, Tq, Hq, D)` in the query dtype."""
+    chunk (`keys`/`values`: its kernel views) and the chunk's own exact `k_new`/`v_new (B, Hkv, Tq, D)`, causal ->
+    `(B, Tq, Hq, D)` in the query dtype. `pads`: each batch row's first tokens that nothing attends to (as
+    `left_padding` finds them; a mask of one row stands for every row), else none."""
     b, hq, tq, d = query.shape
+    if pads is not None and len(pads) != b:
+        pads = pads * b
+    if pads is not None and not any(pads):
+        pads = None
     hkv = k_new.shape[1]
     g = hq // hkv
     static = layer.static_layout()
@@ -62,28 +93,33 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
         n_body = _codebook_body(held, stop, static)
         frame_q = _into_frame(query, keys.fmt.frame(query.device), hkv).to(query.dtype).reshape(b, hkv, g * tq, d)
         vframe = values.fmt.frame(query.device)
+        n_sink = min(held, static.sink_tokens)
         for start, n, wk, wv in _pieces(query, hkv, n_body):
             gather_codebook(keys, values, k_new, static, wk, wv, start, n, exact=False)
-            o, lse = _attend(frame_q, wk, wv, False, scaling)
+            o, lse = _attend_from(frame_q, wk, wv, False, scaling, _starts(pads, n_sink + start))
             parts.append((_out_of_frame(o, vframe), lse))
         n_exact = stop - n_body
         if n_exact:
             wk, wv = _workspace(query, hkv, n_exact)
             gather_codebook(keys, values, k_new, static, wk, wv, 0, n_exact, exact=True)
-            parts.append(_attend(folded, wk, wv, False, scaling))
+            # the sinks (positions 0 .. n_sink), then the residual (from n_sink + n_body): a row's unpadded tokens
+            # are a suffix of them either way
+            starts = None if pads is None else [p if p < n_sink else n_sink + max(p - n_sink - n_body, 0)
+                                                for p in pads]
+            parts.append(_attend_from(folded, wk, wv, False, scaling, starts))
     elif isinstance(keys.fmt, NUQFormat):
         pos = 0
         for k, v in layer.iter_kv_chunks(k_new, v_new, chunk_tokens=_piece_tokens(query, hkv)):
             if pos >= stop:
                 break
-            parts.append(_attend(folded, k.contiguous(), v.contiguous(), False, scaling))
+            parts.append(_attend_from(folded, k.contiguous(), v.contiguous(), False, scaling, _starts(pads, pos)))
             pos += k.shape[2]
     else:
         for start, n, wk, wv in _pieces(query, hkv, stop):
             gather_places(keys, values, k_new, static, wk, wv, start, n)
-            parts.append(_attend(folded, wk, wv, False, scaling))
+            parts.append(_attend_from(folded, wk, wv, False, scaling, _starts(pads, start)))
     parts = [(o.reshape(b, hq, tq, d), lse.reshape(b, hq, tq)) for o, lse in parts]
-    parts.append(_attend(query, k_new, v_new, True, scaling))  # the chunk itself, causal
+    parts.append(_attend_from(query, k_new, v_new, True, scaling, _starts(pads, stop)))  # the chunk itself, causal
     return _merge(parts, query.dtype).transpose(1, 2)
 
 
@@ -167,12 +203,46 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
+def _starts(pads: list[int] | None, first: int) -> list[int] | None:
+    """Where each row's unpadded tokens begin in a part whose first token is at position `first`."""
+    return None if pads is None else [max(p - first, 0) for p in pads]
+
+
+def _attend_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                 starts: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend`, batch row i reading the keys from `starts[i]` on (causal: its query rows too, those before it
+    attending to nothing: out 0, lse -inf); consecutive rows that start at 0 go together."""
+    if starts is None or not any(starts):
+        return _attend(q, k, v, causal, scale)
+    b, hq, tq, _ = q.shape
+    n = k.shape[2]
+    out = q.new_zeros(b, hq, tq, v.shape[-1])
+    lse = torch.full((b, hq, tq), float("-inf"), device=q.device)
+    i = 0
+    while i < b:
+        start = starts[i]
+        if start == 0:  # a run of rows that read every key: one call
+            j = i
+            while j < b and starts[j] == 0:
+                j += 1
+            out[i:j], lse[i:j] = _attend(q[i:j], k[i:j], v[i:j], causal, scale)
+            i = j
+            continue
+        if start < n:
+            rows = slice(start, None) if causal else slice(None)
+            o, lse_i = _attend(q[i : i + 1, :, rows], k[i : i + 1, :, start:], v[i : i + 1, :, start:], causal, scale)
+            out[i, :, rows], lse[i, :, rows] = o[0], lse_i[0]
+        i += 1
+    return out, lse
+
+
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
-    """Attention over the union of the parts' keys from each part's `(out (B, Hq, T, D), lse (B, Hq, T))`."""
+    """Attention over the union of the parts' keys from each part's `(out (B, Hq, T, D), lse (B, Hq, T))`; a row
+    that no part attends (every lse -inf: a padded query row) gives 0."""
     if len(parts) == 1:
         return parts[0][0].to(dtype)
     lse = torch.stack([p[1] for p in parts])
-    w = torch.softmax(lse, 0)  # each part's share of the total weight
+    w = torch.softmax(lse, 0).nan_to_num_(0.0)  # each part's share of the total weight
     out = parts[0][0].float() * w[0, ..., None]
     for i, (o, _) in enumerate(parts[1:], 1):
         out.addcmul_(o.float(), w[i, ..., None])

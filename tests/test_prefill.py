@@ -71,3 +71,52 @@ def test_chunks_over_a_long_history_on_cuda(spec, chunk):
     """Llama-3-8B's heads (32 query, 8 kv, head_dim 128) in bf16, a chunk over 4k held tokens, at the bound the decode
     kernel's CUDA tests hold."""
     _compare(spec, {}, batch=2, heads=32, kv_heads=8, head_dim=128, steps=(4096, chunk), dtype=torch.bfloat16)
+
+
+def _left_padded(pads: list[int], tq: int, held: int, capacity: int | None = None) -> torch.Tensor:
+    """A left-padded batch's chunk mask as transformers builds it: `(B, 1, Tq, capacity)`, True = attend."""
+    col = torch.arange(capacity or held)
+    t = torch.arange(tq)
+    return (col >= torch.tensor(pads)[:, None, None, None]) & (col <= held - tq + t[:, None])
+
+
+@pytest.mark.parametrize("spec,kwargs", [("int4-g32", {"sink_tokens": 3, "residual_length": 16}),
+                                         ("turboquant-2.5", {"sink_tokens": 2, "residual_length": 7})],
+                         ids=["places", "codebook"])
+def test_a_left_padded_chunk_reads_each_row_from_its_first_token(spec, kwargs, workspace_path):
+    """Rows padded by 0, 2 (inside the sinks), 50 (inside the history) and 90 tokens (past the history, into the
+    chunk: its first query rows attend to nothing and give 0, as the reference does)."""
+    pads, tq, held = [0, 2, 50, 90], 40, 111
+    mask = _left_padded(pads, tq, held)
+    assert prefill.left_padding(mask, tq, held) == pads
+    _compare(spec, kwargs, batch=4, steps=(70, 1, tq), mask=mask)
+    assert workspace_path == [1]
+
+
+def test_other_masks_stay_with_the_decode_kernel(workspace_path):
+    """A mask that is not a left-padded causal one (a hole in the history, a key past the chunk's own position, a
+    pinned capacity's column past the held tokens) is read by the decode kernel."""
+    tq, held = 40, 111
+    hole = _left_padded([0, 3], tq, held)
+    hole[1, :, :, 60] = False
+    ahead = _left_padded([0, 3], tq, held)
+    ahead[0, :, 5, held - 1] = True
+    past = _left_padded([0, 3], tq, held, capacity=128)
+    past[1, :, -1, 120] = True
+    for mask in (hole, ahead, past):
+        assert prefill.left_padding(mask, tq, held) is None
+    assert prefill.left_padding(_left_padded([4], tq, held, capacity=128), tq, held) == [4]
+    _compare("int4-g32", {}, steps=(70, 1, tq), mask=hole)
+    assert workspace_path == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "int4-g32", "kivi-2", "turboquant-4", "turboquant-2.5"])
+def test_left_padded_chunks_over_a_long_history_on_cuda(spec, workspace_path):
+    """A left-padded batch's chunk of 2048 over 4k held tokens at Llama-3-8B's heads in bf16: rows padded by 0, 1500
+    and 5000 tokens (the last one's first query rows attend to nothing)."""
+    pads, tq, held = [0, 1500, 5000], 2048, 4096 + 2048
+    _compare(spec, {}, batch=3, heads=32, kv_heads=8, head_dim=128, steps=(4096, tq), dtype=torch.bfloat16,
+             mask=_left_padded(pads, tq, held))
+    assert workspace_path == [1]
