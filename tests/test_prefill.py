@@ -73,6 +73,15 @@ def test_chunks_over_a_long_history_on_cuda(spec, chunk):
     _compare(spec, {}, batch=2, heads=32, kv_heads=8, head_dim=128, steps=(4096, chunk), dtype=torch.bfloat16)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [2, 7, 128, 2048])
+def test_kvquant_chunks_over_a_long_history_on_cuda(chunk):
+    """KVQuant's 4 bits (pre-RoPE keys, calibrated codebooks, outliers) on the tiny llama in bf16: a chunk over 4k
+    held tokens."""
+    test_nuq._compare("llama", bits=4, steps=(4096, chunk), dtype=torch.bfloat16)
+
+
 def _left_padded(pads: list[int], tq: int, held: int, capacity: int | None = None) -> torch.Tensor:
     """A left-padded batch's chunk mask as transformers builds it: `(B, 1, Tq, capacity)`, True = attend."""
     col = torch.arange(capacity or held)
