@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-batches", default="1,16", help="batches of the prefill part")
     bench.add_argument("--turn-tokens", type=int, default=2048,
                        help="tokens of the next turn the prefill part times over the prefilled history")
+    bench.add_argument("--prefill-pad", type=int, default=0,
+                       help="left padding of every other row of the prefill part's batch, in tokens (a batch of "
+                            "prompts of unequal lengths; every cache, DynamicCache's too, gets the same mask)")
     bench.add_argument("--compile-arch", type=int, default=90,
                        help="the CUDA architecture the compiles part compiles for (default 90: Hopper)")
     bench.add_argument("--warm-up", action="store_true",
@@ -519,6 +522,7 @@ def _bench(args: argparse.Namespace) -> int:
             attentions=tuple(a for a in args.attentions.split(",") if a),
             prefill_batches=_int_list(args.prefill_batches, "--prefill-batches"),
             prefill_turn=args.turn_tokens,
+            prefill_pad=args.prefill_pad,
             compile_arch=args.compile_arch,
             compile_warm_up=args.warm_up,
         )

@@ -50,6 +50,7 @@ class BenchConfig:
     attentions: tuple[str, ...] = ("sdpa",)
     prefill_batches: tuple[int, ...] = (1, 16)
     prefill_turn: int = 2048  # the second turn's tokens over the prefilled history (prefill part)
+    prefill_pad: int = 0  # left padding of every other row of the prefill part's batch (a batch of unequal prompts)
     compile_arch: int = 90  # the CUDA architecture the compiles part compiles for (sm_90: Hopper)
     compile_warm_up: bool = False  # the compiles part runs `hf_kvcache.warm_up` before the calls
     results: dict = field(default_factory=dict)

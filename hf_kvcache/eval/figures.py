@@ -132,7 +132,9 @@ def accuracy_figures(sources: dict, root: Path) -> dict[str, dict]:
 
 
 def _bench_rows(bench: dict, what: str) -> list[dict]:
-    return (bench.get("e2e") if what == "decode" else bench.get("prefill") or {}).get("rows", [])
+    """A section's rows; a prefill run's rows over a left-padded batch (`--prefill-pad`) are not the table's."""
+    rows = (bench.get("e2e") if what == "decode" else bench.get("prefill") or {}).get("rows", [])
+    return [r for r in rows if not r.get("pad")]
 
 
 def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], list[dict], list[str]]:
