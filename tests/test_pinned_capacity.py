@@ -229,15 +229,17 @@ def test_pinned_and_growing_capacities_agree_on_the_default_model(calibrated_def
 
 
 def _cuda_case(name: str, spec: str, kwargs: dict, n: int, dtype=torch.float32, **generate_kwargs):
-    """(eager tokens, compiled tokens, new graphs) of `n` greedy steps of a tiny model on CUDA, in `dtype`."""
+    """(eager tokens, compiled tokens, new graphs) of `n` greedy steps of a tiny model on CUDA, in `dtype`; with
+    `output_scores=True` in `generate_kwargs`, each call's whole output (tokens and the scores of every step)."""
     # float32: Inductor's fused kernels round differently from eager ones, and in bf16 a random tiny model's
     # near-tied logits then pick other tokens (FP8 casts turn such last-bit differences into whole FP8 steps).
     model = tiny_model(name, "hf_kvcache").to("cuda", dtype)
     ids, mask = left_padded_batch(model, lengths=(40, 11))
     ids, mask = ids.cuda(), mask.cuda()
     torch._dynamo.reset()
+    scores = dict(output_scores=True, return_dict_in_generate=True) if generate_kwargs.get("output_scores") else {}
     eager = _greedy(model, ids, make_cache(spec, model, **kwargs, max_cache_len=n + 64), n, mask, min_new_tokens=n,
-                    disable_compile=True)
+                    disable_compile=True, **scores)
     before = _unique_graphs()
     compiled = _greedy(model, ids, make_cache(spec, model, **kwargs, max_cache_len=n + 64), n, mask,
                        min_new_tokens=n, **generate_kwargs)
@@ -272,10 +274,31 @@ def test_generate_compiles_the_static_cache_by_itself_on_cuda(spec, easy, hard):
     ones may part: Inductor's fused kernels round the model's own activations differently from eager PyTorch in
     the last bits, and a 2-bit KIVI key block's least-squares range search (kivi-2) turns a last-bit difference
     into other codes; the captured test above holds every step to the eager tokens without Inductor's kernels."""
-    eager, compiled, graphs = _cuda_case("llama", spec, hard, 512)
+    eager, compiled, graphs = _cuda_case("llama", spec, hard, 512, output_scores=True, return_dict_in_generate=True)
     assert graphs == 1, "recompiled"
     prompt = 40
-    assert torch.equal(compiled[:, : prompt + 200], eager[:, : prompt + 200])
+    assert torch.equal(compiled.sequences[:, : prompt + 200], eager.sequences[:, : prompt + 200]), _parting(
+        eager, compiled, prompt)
+
+
+def _parting(eager, compiled, prompt: int) -> str:
+    """Where each row's compiled tokens first part from the eager ones, how close eager's top two logits were at that
+    step (a near tie, or not), and the largest compiled-vs-eager logit difference of the steps before it: what
+    explains a parting (the fp8-e4m3 case failed on the H200, unexplained, in 2026-12-02's run 6)."""
+    e_scores, c_scores = torch.stack(eager.scores, 1).float(), torch.stack(compiled.scores, 1).float()
+    lines = []
+    for row in range(eager.sequences.shape[0]):
+        parted = (eager.sequences[row, prompt:] != compiled.sequences[row, prompt:]).nonzero()
+        if not len(parted):
+            lines.append(f"row {row}: no parting")
+            continue
+        step = int(parted[0])
+        top2 = e_scores[row, step].topk(2).values
+        before = (e_scores[row, :step] - c_scores[row, :step]).abs().amax().item() if step else 0.0
+        lines.append(f"row {row}: parts at new token {step}, eager's top-2 logit margin there "
+                     f"{(top2[0] - top2[1]).item():.3g} (logits up to {e_scores[row, step].abs().max().item():.3g}), "
+                     f"largest logit difference before it {before:.3g}")
+    return "; ".join(lines)
 
 
 @pytest.mark.cuda
