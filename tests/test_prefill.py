@@ -102,6 +102,12 @@ def test_a_left_padded_chunk_reads_each_row_from_its_first_token(spec, kwargs, w
     assert workspace_path == [1]
 
 
+def test_a_left_padded_kvquant_chunk_reads_each_row_from_its_first_token(workspace_path):
+    """KVQuant's history comes through its reference codecs, piece by piece in position order."""
+    test_nuq._compare("llama", steps=(100, 40), mask=_left_padded([5, 110], 40, 140))
+    assert workspace_path == [1]
+
+
 def test_other_masks_stay_with_the_decode_kernel(workspace_path):
     """A mask that is not a left-padded causal one (a hole in the history, a key past the chunk's own position, a
     pinned capacity's column past the held tokens) is read by the decode kernel."""

@@ -105,7 +105,8 @@ def prefill_part(cfg: BenchConfig, log=print) -> list[dict]:
             def ratio(x):
                 return "   -  " if x is None else f"x{x:5.2f}"
 
-            log(f"batch {batch:3d}{f' (pad {pad})' if pad else ''} {name:>14} chunk {str(this_chunk):>5}: prefill {r['prefill_s']:7.3f} s "
+            padded = f" (pad {pad})" if pad else ""
+            log(f"batch {batch:3d}{padded} {name:>14} chunk {str(this_chunk):>5}: prefill {r['prefill_s']:7.3f} s "
                 f"{ratio(r['vs_dynamic_chunked'])} DynamicCache chunked, {ratio(r['vs_dynamic'])} unchunked  "
                 f"turn of {r['turn']} {r['turn_s'] * 1e3:8.1f} ms {ratio(r['turn_vs_dynamic'])}  "
                 f"peak {r['peak_gb']:6.2f} GB")
