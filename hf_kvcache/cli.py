@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts", default=None,
         help="kernel, e2e, capacity (the default three), decode (steps over filled caches), prefill (chunked prefill "
         "and a next turn over a packed history), sweep (launch parameters), multi_gpu (see --multi-gpu), compiles "
-        "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU) and first_call (a first "
-        "generate on an empty Triton cache against the second, with and without warm_up)"
+        "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU), first_call (a first "
+        "generate on an empty Triton cache against the second, with and without warm_up) and sass (each method's "
+        "decode kernel compiled for --compile-arch: its instructions and bytes a held token; needs no GPU)"
     )
     bench.add_argument("--methods", default=None,
                        help="cache specs of the kernel part (default: the README's front presets and INT2, "
@@ -239,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="left padding of every other row of the prefill part's batch, in tokens (a batch of "
                             "prompts of unequal lengths; every cache, DynamicCache's too, gets the same mask)")
     bench.add_argument("--compile-arch", type=int, default=90,
-                       help="the CUDA architecture the compiles part compiles for (default 90: Hopper)")
+                       help="the CUDA architecture the compiles and sass parts compile for (default 90: Hopper)")
     bench.add_argument("--warm-up", action="store_true",
                        help="the compiles part runs hf_kvcache.warm_up (parallel compiles) before the calls")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
@@ -499,7 +500,8 @@ def _bench(args: argparse.Namespace) -> int:
             parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
-        known = ("kernel", "e2e", "decode", "prefill", "capacity", "sweep", "multi_gpu", "compiles", "first_call")
+        known = ("kernel", "e2e", "decode", "prefill", "capacity", "sweep", "multi_gpu", "compiles", "first_call",
+                 "sass")
         unknown = set(parts) - set(known)
         if unknown:
             raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(known)}")
@@ -541,7 +543,7 @@ def _bench(args: argparse.Namespace) -> int:
             cfg.methods = tuple(split_methods([args.methods]))
         if not torch.cuda.is_available() and set(parts) - set(CPU_PARTS):
             raise UsageError("bench measures GPU speed and needs a CUDA device (none is visible); only --parts "
-                             "compiles runs without one")
+                             "compiles and sass run without one")
     except UsageError as error:
         print(f"hf-kvcache: error: {error}", file=sys.stderr)
         return 2

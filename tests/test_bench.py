@@ -70,3 +70,37 @@ def test_warm_up_compiles_every_variant_the_calls_launch():
     assert found["warm_up"]["kernels"] >= 6 and found["warm_up"]["seconds"] > 0
     assert [(c["call"], c["error"], c["compiles"]) for c in found["calls"]] == [
         ("prompt", None, []), ("turn", None, []), ("turn", None, []), ("prompt", None, [])]
+
+
+def test_the_tile_loop_is_the_longest_backward_branch():
+    """`bench.sass.tile_loop` on hand-written machine code: the longest span from a backward branch's target to the
+    branch, predicates dropped; a forward branch is no loop."""
+    from hf_kvcache.bench.sass import opcode_counts, tile_loop
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   BRA 0x40 ;
+        /*0020*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0030*/              @!P0 IMAD.MOV.U32 R2, RZ, RZ, R3 ;
+        /*0040*/               @P1 BRA 0x20 ;
+        /*0050*/                   LDS.64 R2, [R3] ;
+        /*0060*/                   BRA 0x50 ;
+        /*0070*/                   EXIT ;
+    """
+    loop = tile_loop(sass)
+    assert loop == ["HMMA.16816.F32 R4, R8, R12, R4", "IMAD.MOV.U32 R2, RZ, RZ, R3", "BRA 0x20"]
+    assert opcode_counts(loop) == {"HMMA": 1, "IMAD": 1, "BRA": 1}
+    assert tile_loop("/*0000*/ EXIT ;") == []
+
+
+def test_the_sass_part_counts_a_decode_kernel_for_sm90_without_a_gpu():
+    """`hf-kvcache bench --parts sass` on the CPU: fp8-e4m3's decode body compiled for sm_90, its tile loop found,
+    its products on tensor cores, its bytes a token those of fp8 keys and values (2 x 128 bytes and their share of
+    the per-head scales)."""
+    from hf_kvcache.bench import BenchConfig, sass_part
+
+    lines = []
+    (row,) = sass_part(BenchConfig(parts=("sass",), methods=("fp8-e4m3",)), log=lines.append)
+    assert row["kernel"] == "_attn_fwd" and row["opcodes"].get("HMMA", 0) > 0
+    assert 256 <= row["bytes_per_token"] < 257 and row["of_fp8_issue"] == 1.0
+    assert 5 < row["instructions_per_token"] < 200 and "fp8-e4m3" in lines[0]

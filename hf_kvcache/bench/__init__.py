@@ -23,7 +23,9 @@ Each part prints its baseline measured in the same run (STYLE.md #10):
 - multi_gpu (`multi_gpu.py`): the model on one GPU and split over every visible GPU (`split_model`), decode tokens/s
   and the largest batch that runs (`multi_gpu_part`).
 - compiles (`compiles.py`): the Triton compiles a first `generate` call waits for, counted on the host for a GPU
-  target (`compile_arch`); the one part that needs no GPU (`compiles_part`).
+  target (`compile_arch`); needs no GPU (`compiles_part`).
+- sass (`sass.py`): each method's decode body kernel compiled for `compile_arch`, its tile loop's instructions and
+  bytes a held token: the share of fp8-e4m3's rate its instruction issue allows; needs no GPU (`sass_part`).
 - first_call (`compiles.py`): a first `generate` on an empty Triton cache against the second, with and without
   `hf_kvcache.warm_up` first (`first_call_part`).
 """
@@ -43,6 +45,7 @@ from .e2e import _e2e_line, decode_part, e2e_part, e2e_row
 from .kernel import _attend, _filled_layer, kernel_part, sweep_part
 from .multi_gpu import multi_gpu_part, split_model, storage_devices
 from .prefill import prefill_part
+from .sass import sass_part
 
 __all__ = [
     "CPU_PARTS",
@@ -58,6 +61,7 @@ __all__ = [
     "kernel_part",
     "multi_gpu_part",
     "prefill_part",
+    "sass_part",
     "run",
     "split_model",
     "storage_devices",
@@ -73,7 +77,7 @@ __all__ = [
 ]
 
 
-CPU_PARTS = ("compiles",)  # the parts that run without a GPU
+CPU_PARTS = ("compiles", "sass")  # the parts that run without a GPU
 
 
 def run(cfg: BenchConfig, log=print) -> dict:
@@ -94,7 +98,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
              "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part,
-             "first_call": first_call_part}
+             "first_call": first_call_part, "sass": sass_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():
