@@ -23,6 +23,10 @@ Codebook lookup (`LOOKUP`):
   are two tables of immediates: a 2- or 3-bit codebook whole, a 4-bit one's 8 magnitudes, its sign from the code's
   top bit (sign-magnitude order). About 1.5 (2 bits) to 2.5 (4 bits) instructions a code.
 - 1, a load of `codebook[code]` per code (the table stays in L1): fp32 models and the interpreter.
+
+A stream of one 4-bit part (`turboquant-4`, head_dim 128 or 256) may be multiplied by plane (K_PLANES, V_PLANES:
+`TUNING["turbo_planes"]`): the lookup's eight outputs, channels 8j + i of word j, are each an operand of its own
+product (the query's channels 8j + i; the weighted sums stored to those channels), with no joins rebuilding the tile.
 """
 
 from __future__ import annotations
@@ -93,6 +97,38 @@ def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS
 
 
 @triton.jit
+def _plane_centroids(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr,
+                     PDT: tl.constexpr):
+    """codebook[code] of a 4-bit part as its 8 planes: plane i (BLOCK_N, W / 8) holds channels 8j + i, straight from
+    the lookup (no joins: each plane is an operand of its own products, in the layout its codes were read in)."""
+    if LOOKUP == 2:
+        w = _words(C, tok, ok, s_t, 0, W // 8, True)
+        o = tl.inline_asm_elementwise(
+            ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                   tl.float16), is_pure=True, pack=1)
+        x0, x1, x2, x3, x4, x5, x6, x7 = o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
+    else:
+        ch = 8 * tl.arange(0, W // 8)[None, :]
+        row = (tok * s_t)[:, None]
+        x0 = tl.load(CB + _unpack(C, row, ch, ok[:, None], 4)).to(PDT)
+        x1 = tl.load(CB + _unpack(C, row, ch + 1, ok[:, None], 4)).to(PDT)
+        x2 = tl.load(CB + _unpack(C, row, ch + 2, ok[:, None], 4)).to(PDT)
+        x3 = tl.load(CB + _unpack(C, row, ch + 3, ok[:, None], 4)).to(PDT)
+        x4 = tl.load(CB + _unpack(C, row, ch + 4, ok[:, None], 4)).to(PDT)
+        x5 = tl.load(CB + _unpack(C, row, ch + 5, ok[:, None], 4)).to(PDT)
+        x6 = tl.load(CB + _unpack(C, row, ch + 6, ok[:, None], 4)).to(PDT)
+        x7 = tl.load(CB + _unpack(C, row, ch + 7, ok[:, None], 4)).to(PDT)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _q_plane(Q, qoff, row_ok, ch, q_pow2, PDT: tl.constexpr):
+    """The query's channels `ch` (a plane of `_plane_centroids`) times its power of two, in PDT."""
+    return (tl.load(Q + qoff[:, None] + ch[None, :], mask=row_ok[:, None], other=0.0) * q_pow2).to(PDT)
+
+
+@triton.jit
 def _norms(N_, tok, ok, sn_t):
     """The fp16 lengths of tokens `tok (N,)` as float32, 0 where not `ok`."""
     return tl.load(N_ + tok * sn_t, mask=ok, other=0.0).to(tl.float32)
@@ -155,6 +191,7 @@ def _turbo_attn(
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
+    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -223,6 +260,25 @@ def _turbo_attn(
         vnb = VNB + b * svnb_b + h * svnb_h
         acc_a = tl.zeros((BLOCK_M, V_WA), tl.float32)
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
+        jq = 8 * tl.arange(0, D // 8)
+        if K_PLANES:  # one 4-bit part: the query by plane (channels 8j + i), see `_plane_centroids`
+            q0 = _q_plane(Q, qoff, row_ok, jq, q_pow2, PDT)
+            q1 = _q_plane(Q, qoff, row_ok, jq + 1, q_pow2, PDT)
+            q2 = _q_plane(Q, qoff, row_ok, jq + 2, q_pow2, PDT)
+            q3 = _q_plane(Q, qoff, row_ok, jq + 3, q_pow2, PDT)
+            q4 = _q_plane(Q, qoff, row_ok, jq + 4, q_pow2, PDT)
+            q5 = _q_plane(Q, qoff, row_ok, jq + 5, q_pow2, PDT)
+            q6 = _q_plane(Q, qoff, row_ok, jq + 6, q_pow2, PDT)
+            q7 = _q_plane(Q, qoff, row_ok, jq + 7, q_pow2, PDT)
+        if V_PLANES:  # and the weighted sums
+            a0 = tl.zeros((BLOCK_M, D // 8), tl.float32)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+            a4 = a0
+            a5 = a0
+            a6 = a0
+            a7 = a0
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
         # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a
@@ -247,8 +303,15 @@ def _turbo_attn(
             if HAS_MASK and MASK_ROW and MASK_AHEAD:
                 allowed_nx = tl.load(mask_row + nxt * sm_s, mask=nxt < n_body, other=0)
             # ---- scores: per part, the bare centroids' products times the part's lengths
-            kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
-            s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
+            if K_PLANES:
+                k0, k1, k2, k3, k4, k5, k6, k7 = _plane_centroids(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_A, PDT)
+                s = _dot(q0, tl.trans(k0), PREC) + _dot(q1, tl.trans(k1), PREC) + _dot(q2, tl.trans(k2), PREC)
+                s += _dot(q3, tl.trans(k3), PREC) + _dot(q4, tl.trans(k4), PREC) + _dot(q5, tl.trans(k5), PREC)
+                s += _dot(q6, tl.trans(k6), PREC) + _dot(q7, tl.trans(k7), PREC)
+                s = s * (ka_len * unit)[None, :]
+            else:
+                kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
+                s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
             if K_TWO:
                 kt = _centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT)
                 s += _dot(qb, tl.trans(kt), PREC) * (kb_len * unit)[None, :]
@@ -269,13 +332,35 @@ def _turbo_attn(
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
             # range), then the bare centroids
-            vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
-            acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
+            if V_PLANES:
+                pv = (p * va_len[None, :]).to(PDT)
+                v0, v1, v2, v3, v4, v5, v6, v7 = _plane_centroids(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_A, PDT)
+                a0 = a0 * alpha[:, None] + _dot(pv, v0, PREC)
+                a1 = a1 * alpha[:, None] + _dot(pv, v1, PREC)
+                a2 = a2 * alpha[:, None] + _dot(pv, v2, PREC)
+                a3 = a3 * alpha[:, None] + _dot(pv, v3, PREC)
+                a4 = a4 * alpha[:, None] + _dot(pv, v4, PREC)
+                a5 = a5 * alpha[:, None] + _dot(pv, v5, PREC)
+                a6 = a6 * alpha[:, None] + _dot(pv, v6, PREC)
+                a7 = a7 * alpha[:, None] + _dot(pv, v7, PREC)
+            else:
+                vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
+                acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
             if V_TWO:
                 vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT)
                 acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
-        tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
+        if V_PLANES:
+            tl.store(ptr + jq[None, :], a0)
+            tl.store(ptr + (jq + 1)[None, :], a1)
+            tl.store(ptr + (jq + 2)[None, :], a2)
+            tl.store(ptr + (jq + 3)[None, :], a3)
+            tl.store(ptr + (jq + 4)[None, :], a4)
+            tl.store(ptr + (jq + 5)[None, :], a5)
+            tl.store(ptr + (jq + 6)[None, :], a6)
+            tl.store(ptr + (jq + 7)[None, :], a7)
+        else:
+            tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
         if V_TWO:
             tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
     else:
