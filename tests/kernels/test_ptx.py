@@ -1,0 +1,65 @@
+"""The register lookups' inline PTX (`turbo.lookup_asm`, `nuq.lookup_asm`), which only a GPU runs, read on the CPU by
+`tests.helpers.ptx`: every code of random words decodes to its codebook entry's fp16 bits, in the channel order the
+kernels rebuild."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvcache.kernels import nuq, turbo
+from hf_kvcache.methods.turboquant import lloyd_max_codebook, pack_codes, signed_order
+from tests.helpers import ptx
+
+
+def _halves(values: torch.Tensor) -> list[int]:
+    return [int(v) & 0xFFFF for v in values.to(torch.float16).view(torch.int16).tolist()]
+
+
+def _word(data: bytes, at: int, size: int = 4) -> int:
+    return int.from_bytes(data[at:at + size], "little")
+
+
+def test_the_reading_knows_prmt_and_lop3():
+    """The two instructions that carry the lookups, on cases worked by hand from the PTX manual."""
+    assert ptx.prmt(0x33221100, 0x77665544, 0x3210) == 0x33221100
+    assert ptx.prmt(0x33221100, 0x77665544, 0x7654) == 0x77665544
+    assert ptx.prmt(0x33221100, 0x77665544, 0x5140) == 0x55114400
+    assert ptx.prmt(0x00008011, 0, 0x4449) == 0xFF  # bit 3: byte 1 (0x80) has its sign set
+    assert ptx.lop3(0xF0F0, 0xCCCC, 0xAAAA, 0xD2) == (0xF0F0 ^ (~0xCCCC & 0xAAAA)) & 0xFFFFFFFF
+    with pytest.raises(NotImplementedError):
+        ptx.run("{ add.u32 $0, $1, $2; }", 1, [1, 2])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_the_turbo_lookup_decodes_every_code(bits):
+    width = 64
+    book = signed_order(lloyd_max_codebook(width, bits))
+    halves = _halves(book)
+    asm = turbo.lookup_asm(bits, halves)
+    codes = torch.randint(0, 2**bits, (16, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    for row in range(codes.shape[0]):
+        data = pack_codes(codes[row], bits).numpy().tobytes()
+        got = []
+        if bits == 4:  # a word: channels 8j .. 8j + 7
+            for j in range(width // 8):
+                got += ptx.run(asm, 8, [_word(data, 4 * j)])
+        else:  # a word of the 2-bit plane and, for 3 bits, the 16 top bits of its channels: 16j .. 16j + 15
+            for j in range(width // 16):
+                top = _word(data, width // 4 + 2 * j, 2) if bits == 3 else _word(data, 4 * j)
+                got += ptx.run(asm, 16, [_word(data, 4 * j), top])
+        assert got == [halves[c] for c in codes[row].tolist()], f"row {row}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_the_kvquant_lookup_decodes_every_code(bits):
+    gen = torch.Generator().manual_seed(10 + bits)
+    book = torch.randn(2**bits, generator=gen).sort().values
+    h = _halves(book) + [0] * (16 - 2**bits)
+    tables = [sum((h[4 * k + i] >> (8 * high) & 0xFF) << (8 * i) for i in range(4)) for high in (0, 1)
+              for k in range(4)]  # `nuq._tables`: low bytes of entries 0-3, 4-7, 8-11, 12-15, then the high bytes
+    asm = nuq.lookup_asm(bits)
+    for _ in range(64):
+        codes = torch.randint(0, 2**bits, (8,), generator=gen).tolist()
+        word = sum(c << (bits * i) for i, c in enumerate(codes))
+        assert ptx.run(asm, 8, [word, *tables]) == [h[c] for c in codes]
