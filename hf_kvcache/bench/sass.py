@@ -10,7 +10,8 @@ head: the warp instructions issued (loop instructions x warps / tile tokens) and
 bytes). Bytes per instruction, against `fp8-e4m3`'s, is the share of `fp8-e4m3`'s GB/s a kernel can reach where
 issue, not memory, is what limits it (`of_fp8_issue`): on the H200 on 2026-12-04 (BENCHMARKS.md) `turboquant-4` read
 its bytes at 31% of `fp8-e4m3`'s rate and this count gives 27%, `int4-g128` 39% and 32%. It is a static count:
-stalls, occupancy and shared-memory bank conflicts are the GPU's to measure (`ncu`).
+stalls, occupancy and shared-memory bank conflicts are the GPU's to measure (`ncu`). With `HF_KVCACHE_SASS_DIR`
+set, each method's body kernel is also written there (`<method>.sass`, `.ttgir`, `.ptx`), to read.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def count(spec: str, arch: int = 90) -> dict:
         raise RuntimeError(f"{spec}: no body kernel launched (launched: {[n for n, _, _ in launched]})")
     name, kw, kernel = body[0]
     use, sass = _resources(kernel.asm["cubin"])
+    if os.environ.get("HF_KVCACHE_SASS_DIR"):  # the machine code and Triton's IR kept, to read
+        for ext, text in (("sass", sass), ("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"])):
+            with open(os.path.join(os.environ["HF_KVCACHE_SASS_DIR"], f"{spec}.{ext}"), "w") as f:
+                f.write(text)
     loop = tile_loop(sass)
     ops = opcode_counts(loop)
     warps, block_n = kernel.metadata.num_warps, kw["BLOCK_N"]

@@ -43,6 +43,16 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _dot_into(acc, a, b, PREC: tl.constexpr):
+    """`acc + a @ b` with the tensor cores' own accumulation (as `_dot`)."""
+    if PREC == "ieee":
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
 def _unpack(ptr, row_off, d, mask, BITS: tl.constexpr):
     """Unsigned codes at `ptr + row_off` for channels `d` (broadcastable offsets, any tokens), as int32."""
     PER: tl.constexpr = 8 // BITS

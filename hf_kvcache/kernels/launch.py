@@ -57,12 +57,10 @@ TUNING = {
     # a register cap for its body programs (0: none): 4 warps at 128 registers keep 4 programs on a multiprocessor;
     # local compiles of small edits went to 134-168, and the cap measured 678 -> 670 us at batch 16 (BENCHMARKS.md)
     "turbo_maxnreg": int(os.environ.get("HF_KVCACHE_TURBO_MAXNREG", "128")),
-    # the streams ("k", "v") whose one 4-bit part the body multiplies by plane (channels 8j + i, eight products of
-    # D / 8 channels, `turbo._plane_centroids`) instead of as one tile joined from the lookup's outputs. Keys: 51.9 ->
-    # 47.2 warp instructions a held token for sm_90 (`hf-kvcache bench --parts sass`, BENCHMARKS.md 2026-12-05). The
-    # values' products are 16 channels wide, which 4 warps split with copies: "kv" only with 1 warp (39.5 at 1 warp x
-    # 64 tokens, no register cap), unmeasured on the GPU
-    "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "k"),
+    # keys of one 4-bit part multiplied by plane (channels 8j + i, eight products of D / 8 channels straight from the
+    # lookup, `turbo._plane_centroids`) instead of as one tile joined from its outputs: 51.9 -> 46.1 warp instructions
+    # a held token for sm_90 (`hf-kvcache bench --parts sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
+    "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "1") == "1",
 }
 
 

@@ -24,9 +24,12 @@ Codebook lookup (`LOOKUP`):
   top bit (sign-magnitude order). About 1.5 (2 bits) to 2.5 (4 bits) instructions a code.
 - 1, a load of `codebook[code]` per code (the table stays in L1): fp32 models and the interpreter.
 
-A stream of one 4-bit part (`turboquant-4`, head_dim 128 or 256) may be multiplied by plane (K_PLANES, V_PLANES:
-`TUNING["turbo_planes"]`): the lookup's eight outputs, channels 8j + i of word j, are each an operand of its own
-product (the query's channels 8j + i; the weighted sums stored to those channels), with no joins rebuilding the tile.
+Keys of one 4-bit part (`turboquant-4`, head_dim 128 or 256) are multiplied by plane (K_PLANES,
+`TUNING["turbo_planes"]`): the lookup's eight outputs, channels 8j + i of word j, are each the operand of its own
+product with the query's channels 8j + i, in the layout the codes were read in (Triton then reads the code words from
+shared memory straight into the products' layout), with no joins rebuilding the tile through shared memory. The
+values keep the tile: a product 16 channels wide is split across 4 warps with copies (`hf-kvcache bench --parts
+sass`, BENCHMARKS.md 2026-12-05).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dot, _finish_scores, _mask_scores, _softmax_step, _static_places, _unpack
+from .decode import _dot, _dot_into, _finish_scores, _mask_scores, _softmax_step, _static_places, _unpack
 
 LOOKUP_LOAD = 1
 LOOKUP_REGISTERS = 2
@@ -191,7 +194,7 @@ def _turbo_attn(
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
-    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
+    K_PLANES: tl.constexpr = False,
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -260,8 +263,8 @@ def _turbo_attn(
         vnb = VNB + b * svnb_b + h * svnb_h
         acc_a = tl.zeros((BLOCK_M, V_WA), tl.float32)
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
-        jq = 8 * tl.arange(0, D // 8)
         if K_PLANES:  # one 4-bit part: the query by plane (channels 8j + i), see `_plane_centroids`
+            jq = 8 * tl.arange(0, D // 8)
             q0 = _q_plane(Q, qoff, row_ok, jq, q_pow2, PDT)
             q1 = _q_plane(Q, qoff, row_ok, jq + 1, q_pow2, PDT)
             q2 = _q_plane(Q, qoff, row_ok, jq + 2, q_pow2, PDT)
@@ -270,15 +273,6 @@ def _turbo_attn(
             q5 = _q_plane(Q, qoff, row_ok, jq + 5, q_pow2, PDT)
             q6 = _q_plane(Q, qoff, row_ok, jq + 6, q_pow2, PDT)
             q7 = _q_plane(Q, qoff, row_ok, jq + 7, q_pow2, PDT)
-        if V_PLANES:  # and the weighted sums
-            a0 = tl.zeros((BLOCK_M, D // 8), tl.float32)
-            a1 = a0
-            a2 = a0
-            a3 = a0
-            a4 = a0
-            a5 = a0
-            a6 = a0
-            a7 = a0
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
         # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a
@@ -305,9 +299,15 @@ def _turbo_attn(
             # ---- scores: per part, the bare centroids' products times the part's lengths
             if K_PLANES:
                 k0, k1, k2, k3, k4, k5, k6, k7 = _plane_centroids(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_A, PDT)
-                s = _dot(q0, tl.trans(k0), PREC) + _dot(q1, tl.trans(k1), PREC) + _dot(q2, tl.trans(k2), PREC)
-                s += _dot(q3, tl.trans(k3), PREC) + _dot(q4, tl.trans(k4), PREC) + _dot(q5, tl.trans(k5), PREC)
-                s += _dot(q6, tl.trans(k6), PREC) + _dot(q7, tl.trans(k7), PREC)
+                # one accumulator through the eight products (the tensor cores add them)
+                s = _dot(q0, tl.trans(k0), PREC)
+                s = _dot_into(s, q1, tl.trans(k1), PREC)
+                s = _dot_into(s, q2, tl.trans(k2), PREC)
+                s = _dot_into(s, q3, tl.trans(k3), PREC)
+                s = _dot_into(s, q4, tl.trans(k4), PREC)
+                s = _dot_into(s, q5, tl.trans(k5), PREC)
+                s = _dot_into(s, q6, tl.trans(k6), PREC)
+                s = _dot_into(s, q7, tl.trans(k7), PREC)
                 s = s * (ka_len * unit)[None, :]
             else:
                 kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
@@ -332,35 +332,13 @@ def _turbo_attn(
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
             # range), then the bare centroids
-            if V_PLANES:
-                pv = (p * va_len[None, :]).to(PDT)
-                v0, v1, v2, v3, v4, v5, v6, v7 = _plane_centroids(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_A, PDT)
-                a0 = a0 * alpha[:, None] + _dot(pv, v0, PREC)
-                a1 = a1 * alpha[:, None] + _dot(pv, v1, PREC)
-                a2 = a2 * alpha[:, None] + _dot(pv, v2, PREC)
-                a3 = a3 * alpha[:, None] + _dot(pv, v3, PREC)
-                a4 = a4 * alpha[:, None] + _dot(pv, v4, PREC)
-                a5 = a5 * alpha[:, None] + _dot(pv, v5, PREC)
-                a6 = a6 * alpha[:, None] + _dot(pv, v6, PREC)
-                a7 = a7 * alpha[:, None] + _dot(pv, v7, PREC)
-            else:
-                vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
-                acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
+            vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
+            acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
             if V_TWO:
                 vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT)
                 acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
-        if V_PLANES:
-            tl.store(ptr + jq[None, :], a0)
-            tl.store(ptr + (jq + 1)[None, :], a1)
-            tl.store(ptr + (jq + 2)[None, :], a2)
-            tl.store(ptr + (jq + 3)[None, :], a3)
-            tl.store(ptr + (jq + 4)[None, :], a4)
-            tl.store(ptr + (jq + 5)[None, :], a5)
-            tl.store(ptr + (jq + 6)[None, :], a6)
-            tl.store(ptr + (jq + 7)[None, :], a7)
-        else:
-            tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
+        tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
         if V_TWO:
             tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
     else:

@@ -70,7 +70,7 @@ def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[tor
 
 
 def _by_planes(fmt, head_dim: int) -> bool:
-    """Whether the body reads this stream by planes (`turbo._plane_centroids`): one 4-bit part of every channel."""
+    """Whether the body multiplies these keys by plane (`turbo._plane_centroids`): one 4-bit part of every channel."""
     return len(fmt.parts) == 1 and fmt.parts[0].bits == 4 and head_dim % 128 == 0
 
 
@@ -140,8 +140,7 @@ def turbo_attention(
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2], **ring,
-        K_PLANES="k" in TUNING["turbo_planes"] and _by_planes(kf, d),
-        V_PLANES="v" in TUNING["turbo_planes"] and _by_planes(vf, d),
+        K_PLANES=TUNING["turbo_planes"] and _by_planes(kf, d),
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}

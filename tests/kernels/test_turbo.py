@@ -68,10 +68,10 @@ def test_qjl_keys_and_static_windows_of_two_lengths_go_to_the_reference():
     assert "residual windows of two lengths" in ops.supports(values, ring, q, static=True)
 
 
-@pytest.mark.parametrize("planes", ["", "k", "kv"])
-def test_a_4_bit_stream_read_by_planes(planes, monkeypatch):
-    """head_dim 128 at 4 bits: the body's products by plane (channels 8j + i, `turbo._plane_centroids`), for the keys,
-    for both streams, or neither, all against the reference; a chunk of queries too."""
+@pytest.mark.parametrize("planes", [True, False], ids=["planes", "tile"])
+def test_4_bit_keys_read_by_planes(planes, monkeypatch):
+    """head_dim 128 at 4 bits: the keys' products by plane (channels 8j + i, `turbo._plane_centroids`) or as one tile,
+    both against the reference, a decode step and a chunk of queries; 3-bit keys are never read by planes."""
     from hf_kvcache.kernels import turbo, turbo_launch
 
     monkeypatch.setitem(ops.TUNING, "turbo_planes", planes)
@@ -81,10 +81,10 @@ def test_a_4_bit_stream_read_by_planes(planes, monkeypatch):
     _compare("turboquant-4", {}, batch=1, heads=4, kv_heads=1, head_dim=128, steps=(300, 1))
     _compare("turboquant-4", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(290, 9))
     body = [kw for kw in launched if kw["BODY"]]
-    assert body and all((kw["K_PLANES"], kw["V_PLANES"]) == ("k" in planes, "v" in planes) for kw in body)
-    assert turbo_launch._by_planes(_filled_layer("turboquant-3", {}, batch=1, heads=2, kv_heads=1, head_dim=128,
-                                                 steps=(2, 1), dtype=torch.float32)[0].layers[0]
-                                   .key_stream.kernel_view().fmt, 128) is False
+    assert body and all(kw["K_PLANES"] == planes for kw in body)
+    cache, _ = _filled_layer("turboquant-3", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(2, 1),
+                             dtype=torch.float32)
+    assert not turbo_launch._by_planes(cache.layers[0].key_stream.kernel_view().fmt, 128)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
