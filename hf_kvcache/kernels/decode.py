@@ -10,6 +10,8 @@ Work split, per (batch row, kv-head, tile of query rows):
   after the products) and fed to tensor cores in the model dtype, or in fp16 for a bf16 model whose codes are all
   exact in fp16 (fp8, and integer codes of one group per token row): then q enters the products rounded to fp16
   (times a power of two if it would overflow) and p is rounded to fp16 instead of bf16 (`decode_launch._product_dtype`).
+  Integer codes read as bit planes (`_planes`) are split on the GPU by inline PTX that writes two codes into the
+  mantissas of a 16-bit float pair per instruction (`plane_asm`).
 - one tail program (a separate launch of the same kernel, BODY=False, so that its many live tiles do not
   raise the body's register count) reads everything else token by token: the sink, the packed tokens outside whole body tiles
   (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
@@ -177,18 +179,101 @@ def _q_plane(Q, qoff, row_ok, j, P: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
-def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-                  OFF: tl.constexpr, CENTER: tl.constexpr):
-    """sum over planes of q_P . (code_P - CENTER): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys."""
+def _planes_ptx(byte, ASM: tl.constexpr, PER: tl.constexpr, OUT: tl.constexpr):
+    """`plane_asm`'s outputs, OFF + code in OUT (fp16 or bf16) of each of the PER planes; the rest repeat plane 0."""
+    if PER == 1:
+        o0 = tl.inline_asm_elementwise(ASM, "=r,=r,r", [byte], dtype=OUT.value, is_pure=True, pack=4)
+        o1 = o0
+        o2 = o0
+        o3 = o0
+    elif PER == 2:
+        o = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [byte], dtype=(OUT.value, OUT.value), is_pure=True,
+                                      pack=4)
+        o0 = o[0]
+        o1 = o[1]
+        o2 = o0
+        o3 = o0
+    else:
+        o = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                      dtype=(OUT.value, OUT.value, OUT.value, OUT.value), is_pure=True, pack=4)
+        o0 = o[0]
+        o1 = o[1]
+        o2 = o[2]
+        o3 = o[3]
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _planes(byte, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr):
+    """Every plane of packed bytes `byte` (uint8), as `_plane` gives them: (x0, x1, x2, x3), the ones past 8 / BITS
+    repeating x0. ASM (`plane_asm(BITS, OFF)`, the GPU): inline PTX on four bytes a register writes OFF + code of
+    two elements into each 32-bit register, two or three instructions a pair (`_plane`'s Triton takes about five),
+    and OFF + CENTER is subtracted here."""
     PER: tl.constexpr = 8 // BITS
-    byte = tl.load(kc + tok[:, None] * skc_t + jk[None, :]).to(tl.int32)
-    s = _dot(q0, tl.trans(_plane(byte, 0, BITS, DT, OFF, CENTER)), PREC)
+    if ASM != "":
+        if DT == tl.float16:
+            o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, tl.float16)
+        else:
+            o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, tl.bfloat16)
+        x0 = o0 - (OFF + CENTER)
+        x1 = o1 - (OFF + CENTER)
+        x2 = o2 - (OFF + CENTER)
+        x3 = o3 - (OFF + CENTER)
+    else:
+        b32 = byte.to(tl.int32)
+        x0 = _plane(b32, 0, BITS, DT, OFF, CENTER)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if PER > 1:
+            x1 = _plane(b32, 1, BITS, DT, OFF, CENTER)
+        if PER > 2:
+            x2 = _plane(b32, 2, BITS, DT, OFF, CENTER)
+            x3 = _plane(b32, 3, BITS, DT, OFF, CENTER)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
+                  OFF: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr):
+    """sum over planes of q_P . (code_P - CENTER): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys, in
+    one accumulator."""
+    PER: tl.constexpr = 8 // BITS
+    byte = tl.load(kc + tok[:, None] * skc_t + jk[None, :])
+    x0, x1, x2, x3 = _planes(byte, BITS, DT, OFF, CENTER, ASM)
+    s = _dot(q0, tl.trans(x0), PREC)
     if PER > 1:
-        s += _dot(q1, tl.trans(_plane(byte, 1, BITS, DT, OFF, CENTER)), PREC)
+        s = _dot_into(s, q1, tl.trans(x1), PREC)
     if PER > 2:
-        s += _dot(q2, tl.trans(_plane(byte, 2, BITS, DT, OFF, CENTER)), PREC)
-        s += _dot(q3, tl.trans(_plane(byte, 3, BITS, DT, OFF, CENTER)), PREC)
+        s = _dot_into(s, q2, tl.trans(x2), PREC)
+        s = _dot_into(s, q3, tl.trans(x3), PREC)
     return s
+
+
+def plane_asm(bits: int, off: int) -> str:
+    """The PTX of `_planes` for `bits`-bit codes and OFF `off` (1024: fp16, 128: bf16 for codes below 128): input `$n`
+    four packed bytes (n = 2 * 8 / bits), outputs `$2P`, `$2P + 1` plane P's OFF + code of bytes 0, 1 and of bytes 2,
+    3, as two 16-bit floats each. `prmt` spreads bytes 0, 1 (and 2, 3) onto the low bytes of two 16-bit halves; each
+    plane is then a shift and one `lop3` that masks its code and ors in OFF's bits (fp16 1024 = 0x6400, bf16 128 =
+    0x4300), whose last mantissa bits the code becomes. 8-bit codes (fp16) take OFF's high byte in the same `prmt`."""
+    if (bits, off) not in ((2, 1024), (4, 1024), (8, 1024), (2, 128), (4, 128)):
+        raise ValueError(f"no plane PTX for {bits}-bit codes at OFF {off}")
+    per = 8 // bits
+    src = f"${2 * per}"
+    high = {1024: 0x64, 128: 0x43}[off]
+    if bits == 8:
+        return "\n".join(["{", ".reg .b32 r_m;", f"mov.b32 r_m, {high * 0x01010101:#x};",
+                           f"prmt.b32 $0, {src}, r_m, 0x4140; prmt.b32 $1, {src}, r_m, 0x4342;", "}"])
+    mask = ((1 << bits) - 1) * 0x00010001
+    lines = ["{", ".reg .b32 r_a, r_b, r_s, r_t;",
+             f"prmt.b32 r_a, {src}, 0, 0x4140; prmt.b32 r_b, {src}, 0, 0x4342;"]
+    for p in range(per):
+        a, b = ("r_a", "r_b") if p == 0 else ("r_s", "r_t")
+        if p:
+            lines.append(f"shr.b32 r_s, r_a, {p * bits}; shr.b32 r_t, r_b, {p * bits};")
+        lines.append(f"lop3.b32 ${2 * p}, {a}, {mask:#x}, {high * 0x01000100:#x}, 0xEA; "
+                     f"lop3.b32 ${2 * p + 1}, {b}, {mask:#x}, {high * 0x01000100:#x}, 0xEA;")
+    return "\n".join(lines + ["}"])
 
 
 @triton.jit
@@ -340,7 +425,7 @@ def _attn_fwd(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_CHG: tl.constexpr, V_SYM: tl.constexpr,
     MASK_ROW: tl.constexpr = False, MASK_AHEAD: tl.constexpr = True, STATIC: tl.constexpr = False,
     SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
-    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False,
+    K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False, K_ASM: tl.constexpr = "", V_ASM: tl.constexpr = "",
 ):
     pid_bh = tl.program_id(0)
     k_off = 0
@@ -478,12 +563,12 @@ def _attn_fwd(
                     qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
                     qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
-                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR)
+                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM)
                 if not K_SYM:  # q.k = (q * s) . (c - K_CTR) + q . z + K_CTR * sum(q * s)
                     s += (tl.sum(qf * kz_t[None, :], 1) + K_CTR * qs_sum)[:, None]
             elif K_PLANES:
                 # one group per token row: q.k = scale * (q . (c - K_CTR)) + (zero + K_CTR * scale) * sum(q)
-                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR) / q_pow2
+                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM) / q_pow2
                 if K_SYM:
                     s = s * k0[None, :]
                 else:
@@ -520,13 +605,14 @@ def _attn_fwd(
                 ps = ps.to(PDT)
                 if not V_SYM:
                     extra = extra * alpha + tl.sum(p * (vz_t + V_CTR * v0)[None, :], 1)
-                byte = tl.load(vc + tok[:, None] * svc_t + jv[None, :]).to(tl.int32)
-                acc0 = acc0 * alpha[:, None] + _dot(ps, _plane(byte, 0, V_BITS, PDT, V_OFF, V_CTR), PREC)
+                x0, x1, x2, x3 = _planes(tl.load(vc + tok[:, None] * svc_t + jv[None, :]), V_BITS, PDT, V_OFF, V_CTR,
+                                         V_ASM)
+                acc0 = _dot_into(acc0 * alpha[:, None], ps, x0, PREC)
                 if VPER > 1:
-                    acc1 = acc1 * alpha[:, None] + _dot(ps, _plane(byte, 1, V_BITS, PDT, V_OFF, V_CTR), PREC)
+                    acc1 = _dot_into(acc1 * alpha[:, None], ps, x1, PREC)
                 if VPER > 2:
-                    acc2 = acc2 * alpha[:, None] + _dot(ps, _plane(byte, 2, V_BITS, PDT, V_OFF, V_CTR), PREC)
-                    acc3 = acc3 * alpha[:, None] + _dot(ps, _plane(byte, 3, V_BITS, PDT, V_OFF, V_CTR), PREC)
+                    acc2 = _dot_into(acc2 * alpha[:, None], ps, x2, PREC)
+                    acc3 = _dot_into(acc3 * alpha[:, None], ps, x3, PREC)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)

@@ -60,6 +60,17 @@ def _magic_offset(fmt, dtype: torch.dtype) -> int:
     return 128 if dtype == torch.bfloat16 and fmt.bits <= 4 else 0
 
 
+def _plane_asm(fmt, dtype: torch.dtype, planes: bool) -> str:
+    """The PTX `decode._planes` splits a stream's bit planes with (`decode.plane_asm`), or "" (Triton's own integer
+    operations): planes read with a magic offset (`_magic_offset`), on the GPU, with `TUNING["plane_asm"]`."""
+    from . import decode
+
+    off = _magic_offset(fmt, dtype)
+    if not (planes and off and TUNING["plane_asm"]):
+        return ""
+    return decode.plane_asm(fmt.bits, off)
+
+
 def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
     """Pointers and strides of the packed fields: codes + token stride, scale/zero + token and channel strides,
     fp8 scale + batch and head strides."""
@@ -162,6 +173,8 @@ def packed_attention(
         HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
+        K_ASM=_plane_asm(keys.fmt, pdt, _planes(keys.fmt, d, keys=True)),
+        V_ASM=_plane_asm(values.fmt, pdt, _planes(values.fmt, d, keys=False)),
         **_fmt_meta(keys, values, d),
     )
     if static is not None:

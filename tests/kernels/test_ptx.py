@@ -63,3 +63,22 @@ def test_the_kvquant_lookup_decodes_every_code(bits):
         codes = torch.randint(0, 2**bits, (8,), generator=gen).tolist()
         word = sum(c << (bits * i) for i, c in enumerate(codes))
         assert ptx.run(asm, 8, [word, *tables]) == [h[c] for c in codes]
+
+
+@pytest.mark.parametrize("bits,off", [(2, 1024), (4, 1024), (8, 1024), (2, 128), (4, 128)])
+def test_the_plane_split_writes_each_code_into_its_offset(bits, off):
+    """`decode.plane_asm`: four packed bytes -> each plane's OFF + code of bytes 0, 1 and 2, 3 as 16-bit float pairs
+    (fp16 1024 = 0x6400, bf16 128 = 0x4300: the code lands in the mantissa's last bits)."""
+    from hf_kvcache.kernels import decode
+
+    per, mask, base = 8 // bits, (1 << bits) - 1, {1024: 0x6400, 128: 0x4300}[off]
+    asm = decode.plane_asm(bits, off)
+    gen = torch.Generator().manual_seed(bits)
+    for _ in range(64):
+        data = torch.randint(0, 256, (4,), generator=gen).tolist()
+        got = ptx.run(asm, 2 * per, [sum(b << (8 * i) for i, b in enumerate(data))])
+        for p in range(per):
+            half = [base | ((b >> (p * bits)) & mask) for b in data]
+            assert got[2 * p:2 * p + 2] == [half[0] | half[1] << 16, half[2] | half[3] << 16], (p, data)
+    with pytest.raises(ValueError, match="no plane PTX"):
+        decode.plane_asm(8, 128)  # bf16 holds codes below 128 only
