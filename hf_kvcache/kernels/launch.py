@@ -60,9 +60,10 @@ TUNING = {
     # a register cap for its body programs (0: none): 4 warps at 128 registers keep 4 programs on a multiprocessor;
     # local compiles of small edits went to 134-168, and the cap measured 678 -> 670 us at batch 16 (BENCHMARKS.md)
     "turbo_maxnreg": int(os.environ.get("HF_KVCACHE_TURBO_MAXNREG", "128")),
-    # keys of one 4-bit part multiplied by plane (channels 8j + i, eight products of D / 8 channels straight from the
-    # lookup, `turbo._plane_centroids`) instead of as one tile joined from its outputs: 51.9 -> 46.1 warp instructions
-    # a held token for sm_90 (`hf-kvcache bench --parts sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
+    # streams of one 4-bit part multiplied by plane of 16-bit halves (channels 4j + i: four products of D / 4
+    # channels straight from the lookup's registers, `turbo._half_planes`) instead of as one tile joined from its
+    # outputs through shared memory: 51.9 -> 38.5 warp instructions a held token for sm_90 (`hf-kvcache bench --parts
+    # sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
     "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "1") == "1",
 }
 

@@ -24,12 +24,13 @@ Codebook lookup (`LOOKUP`):
   top bit (sign-magnitude order). About 1.5 (2 bits) to 2.5 (4 bits) instructions a code.
 - 1, a load of `codebook[code]` per code (the table stays in L1): fp32 models and the interpreter.
 
-Keys of one 4-bit part (`turboquant-4`, head_dim 128 or 256) are multiplied by plane (K_PLANES,
-`TUNING["turbo_planes"]`): the lookup's eight outputs, channels 8j + i of word j, are each the operand of its own
-product with the query's channels 8j + i, in the layout the codes were read in (Triton then reads the code words from
-shared memory straight into the products' layout), with no joins rebuilding the tile through shared memory. The
-values keep the tile: a product 16 channels wide is split across 4 warps with copies (`hf-kvcache bench --parts
-sass`, BENCHMARKS.md 2026-12-05).
+A stream of one 4-bit part (`turboquant-4`'s keys and values, `turboquant-3.5`'s keys; head_dim 128 or 256) is
+multiplied by plane (K_PLANES, V_PLANES, `TUNING["turbo_planes"]`): its codes are read as 16-bit halves, the register
+lookup (`lookup_asm_halves`) turns two halves into plane i's centroids of both (channels 4j + i), and each plane is
+the operand of its own product (the query's channels 4j + i; the weighted sums stored to them), in the layout the codes
+were read in: Triton then reads the codes from shared memory straight into the products' layout, with no tile joined
+from the lookup's outputs and sent through shared memory again (51.9 -> 38.5 warp instructions a held token of
+`turboquant-4` for sm_90, `hf-kvcache bench --parts sass`, BENCHMARKS.md 2026-12-05).
 """
 
 from __future__ import annotations
@@ -100,34 +101,29 @@ def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS
 
 
 @triton.jit
-def _plane_centroids(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr,
-                     PDT: tl.constexpr):
-    """codebook[code] of a 4-bit part as its 8 planes: plane i (BLOCK_N, W / 8) holds channels 8j + i, straight from
-    the lookup (no joins: each plane is an operand of its own products, in the layout its codes were read in)."""
+def _half_planes(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr, PDT: tl.constexpr):
+    """codebook[code] of a 4-bit part as 4 planes of 16-bit halves: plane i (BLOCK_N, W / 4) holds channels 4j + i,
+    straight from the lookup (`lookup_asm_halves`: two halves a register, so that each output register holds a pair
+    of neighbours along j, as a product's operand does)."""
     if LOOKUP == 2:
-        w = _words(C, tok, ok, s_t, 0, W // 8, True)
-        o = tl.inline_asm_elementwise(
-            ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
-                   tl.float16), is_pure=True, pack=1)
-        x0, x1, x2, x3, x4, x5, x6, x7 = o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
+        ptr = C.to(tl.pointer_type(tl.int16))
+        h = tl.load(ptr + (tok * (s_t // 2))[:, None] + tl.arange(0, W // 4)[None, :], mask=ok[:, None], other=0)
+        o = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [h], dtype=(tl.float16, tl.float16, tl.float16,
+                                                                        tl.float16), is_pure=True, pack=2)
+        x0, x1, x2, x3 = o[0], o[1], o[2], o[3]
     else:
-        ch = 8 * tl.arange(0, W // 8)[None, :]
+        ch = 4 * tl.arange(0, W // 4)[None, :]
         row = (tok * s_t)[:, None]
         x0 = tl.load(CB + _unpack(C, row, ch, ok[:, None], 4)).to(PDT)
         x1 = tl.load(CB + _unpack(C, row, ch + 1, ok[:, None], 4)).to(PDT)
         x2 = tl.load(CB + _unpack(C, row, ch + 2, ok[:, None], 4)).to(PDT)
         x3 = tl.load(CB + _unpack(C, row, ch + 3, ok[:, None], 4)).to(PDT)
-        x4 = tl.load(CB + _unpack(C, row, ch + 4, ok[:, None], 4)).to(PDT)
-        x5 = tl.load(CB + _unpack(C, row, ch + 5, ok[:, None], 4)).to(PDT)
-        x6 = tl.load(CB + _unpack(C, row, ch + 6, ok[:, None], 4)).to(PDT)
-        x7 = tl.load(CB + _unpack(C, row, ch + 7, ok[:, None], 4)).to(PDT)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+    return x0, x1, x2, x3
 
 
 @triton.jit
 def _q_plane(Q, qoff, row_ok, ch, q_pow2, PDT: tl.constexpr):
-    """The query's channels `ch` (a plane of `_plane_centroids`) times its power of two, in PDT."""
+    """The query's channels `ch` (a plane of `_half_planes`) times its power of two, in PDT."""
     return (tl.load(Q + qoff[:, None] + ch[None, :], mask=row_ok[:, None], other=0.0) * q_pow2).to(PDT)
 
 
@@ -194,7 +190,8 @@ def _turbo_attn(
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
-    K_PLANES: tl.constexpr = False,
+    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False, K_ASM_H: tl.constexpr = "",
+    V_ASM_H: tl.constexpr = "",
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -263,16 +260,17 @@ def _turbo_attn(
         vnb = VNB + b * svnb_b + h * svnb_h
         acc_a = tl.zeros((BLOCK_M, V_WA), tl.float32)
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
-        if K_PLANES:  # one 4-bit part: the query by plane (channels 8j + i), see `_plane_centroids`
-            jq = 8 * tl.arange(0, D // 8)
+        if V_PLANES:  # one 4-bit part: the weighted sums by plane of halves (channels 4j + i), see `_half_planes`
+            a0 = tl.zeros((BLOCK_M, D // 4), tl.float32)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+        if K_PLANES:  # one 4-bit part: the query by plane of halves (channels 4j + i), see `_half_planes`
+            jq = 4 * tl.arange(0, D // 4)
             q0 = _q_plane(Q, qoff, row_ok, jq, q_pow2, PDT)
             q1 = _q_plane(Q, qoff, row_ok, jq + 1, q_pow2, PDT)
             q2 = _q_plane(Q, qoff, row_ok, jq + 2, q_pow2, PDT)
             q3 = _q_plane(Q, qoff, row_ok, jq + 3, q_pow2, PDT)
-            q4 = _q_plane(Q, qoff, row_ok, jq + 4, q_pow2, PDT)
-            q5 = _q_plane(Q, qoff, row_ok, jq + 5, q_pow2, PDT)
-            q6 = _q_plane(Q, qoff, row_ok, jq + 6, q_pow2, PDT)
-            q7 = _q_plane(Q, qoff, row_ok, jq + 7, q_pow2, PDT)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
         # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a
@@ -298,16 +296,12 @@ def _turbo_attn(
                 allowed_nx = tl.load(mask_row + nxt * sm_s, mask=nxt < n_body, other=0)
             # ---- scores: per part, the bare centroids' products times the part's lengths
             if K_PLANES:
-                k0, k1, k2, k3, k4, k5, k6, k7 = _plane_centroids(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_A, PDT)
-                # one accumulator through the eight products (the tensor cores add them)
+                # one accumulator through the four products (the tensor cores add them)
+                k0, k1, k2, k3 = _half_planes(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_H, PDT)
                 s = _dot(q0, tl.trans(k0), PREC)
                 s = _dot_into(s, q1, tl.trans(k1), PREC)
                 s = _dot_into(s, q2, tl.trans(k2), PREC)
                 s = _dot_into(s, q3, tl.trans(k3), PREC)
-                s = _dot_into(s, q4, tl.trans(k4), PREC)
-                s = _dot_into(s, q5, tl.trans(k5), PREC)
-                s = _dot_into(s, q6, tl.trans(k6), PREC)
-                s = _dot_into(s, q7, tl.trans(k7), PREC)
                 s = s * (ka_len * unit)[None, :]
             else:
                 kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
@@ -332,13 +326,28 @@ def _turbo_attn(
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
             # range), then the bare centroids
-            vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
-            acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
+            if V_PLANES:
+                pv = (p * va_len[None, :]).to(PDT)
+                v0, v1, v2, v3 = _half_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
+                a0 = _dot_into(a0 * alpha[:, None], pv, v0, PREC)
+                a1 = _dot_into(a1 * alpha[:, None], pv, v1, PREC)
+                a2 = _dot_into(a2 * alpha[:, None], pv, v2, PREC)
+                a3 = _dot_into(a3 * alpha[:, None], pv, v3, PREC)
+            else:
+                vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
+                acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
             if V_TWO:
                 vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT)
                 acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
-        tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
+        if V_PLANES:
+            jh = 4 * tl.arange(0, D // 4)
+            tl.store(ptr + jh[None, :], a0)
+            tl.store(ptr + (jh + 1)[None, :], a1)
+            tl.store(ptr + (jh + 2)[None, :], a2)
+            tl.store(ptr + (jh + 3)[None, :], a3)
+        else:
+            tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
         if V_TWO:
             tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
     else:
@@ -393,6 +402,32 @@ def _table_words(halves: list[int]) -> tuple[int, int, int, int]:
     lo = [v & 0xFF for v in halves]
     hi = [v >> 8 for v in halves]
     return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def lookup_asm_halves(halves: list[int]) -> str:
+    """The PTX of `_half_planes` for a 4-bit codebook (`halves`: its 16 entries as fp16 bit patterns, sign-magnitude
+    order): input `$4` two 16-bit halves of codes (channels 4j .. 4j + 3 and 4j' .. 4j' + 3, code k in nibble k),
+    outputs `$0`..`$3` plane k's centroids of both halves (j's in the low 16 bits). For each pair of planes, a `prmt`
+    gathers their four codes onto one selector; the magnitude tables give low and high bytes, two more `prmt` pair
+    them, and the sign (bit 3, 1 = positive) is flipped in by a `prmt` of the selector and a `lop3`."""
+    mags = halves[8:]
+    if len(halves) != 16 or any(v >> 15 for v in mags) or any(halves[c] != mags[c] | 0x8000 for c in range(8)):
+        raise ValueError("a 4-bit codebook read in registers must have 16 entries in sign-magnitude order (code c "
+                         "below 8 the negative of code 8 + c)")
+    lo0, lo1, hi0, hi1 = _table_words(mags)
+    lines = [
+        "{", ".reg .b32 r_s, r_m, r_w4, r_l, r_h, r_p, r_g, r_tl0, r_tl1, r_th0, r_th1, r_sgn;",
+        f"mov.b32 r_tl0, {lo0:#x}; mov.b32 r_tl1, {lo1:#x}; mov.b32 r_th0, {hi0:#x}; mov.b32 r_th1, {hi1:#x};",
+        "mov.b32 r_sgn, 0x80008000;",
+    ]
+    for k, gather in ((0, "0x4420"), (2, "0x4431")):  # planes 0, 1: bytes 0 and 2 of the input; 2, 3: bytes 1, 3
+        lines += [
+            f"prmt.b32 r_s, $4, 0, {gather}; and.b32 r_m, r_s, 0x7777;",  # nibbles: k of j, k + 1 of j, k of j', ...
+            "prmt.b32 r_l, r_tl0, r_tl1, r_m; prmt.b32 r_h, r_th0, r_th1, r_m; shl.b32 r_w4, r_s, 4;",
+            f"prmt.b32 r_p, r_l, r_h, 0x6240; prmt.b32 r_g, r_w4, 0, 0x1404; lop3.b32 ${k}, r_p, r_g, r_sgn, 0xD2;",
+            f"prmt.b32 r_p, r_l, r_h, 0x7351; prmt.b32 r_g, r_s, 0, 0x1404; lop3.b32 ${k + 1}, r_p, r_g, r_sgn, 0xD2;",
+        ]
+    return "\n".join(lines + ["}"])
 
 
 def lookup_asm(bits: int, halves: list[int]) -> str:

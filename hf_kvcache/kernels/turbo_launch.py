@@ -69,8 +69,26 @@ def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[tor
     return found
 
 
+_HALVES: dict[tuple, str] = {}  # `turbo.lookup_asm_halves` by (bits, the codebook's values), as `_TABLES`
+
+
+def _halves_asm(fmt) -> str:
+    """`turbo.lookup_asm_halves` of a 4-bit stream's codebook, cached."""
+    from . import turbo
+
+    part = fmt.parts[0]
+    key = (part.bits, part.levels)
+    if key not in _HALVES:
+        halves = [int(v) & 0xFFFF for v in part.codebook.to(torch.float16).view(torch.int16).tolist()]
+        if len(_HALVES) > 64:
+            _HALVES.clear()
+        _HALVES[key] = turbo.lookup_asm_halves(halves)
+    return _HALVES[key]
+
+
 def _by_planes(fmt, head_dim: int) -> bool:
-    """Whether the body multiplies these keys by plane (`turbo._plane_centroids`): one 4-bit part of every channel."""
+    """Whether the body multiplies this stream by plane (`turbo._half_planes`): one 4-bit part of every channel, at
+    least 128 of them (the values' four products D / 4 wide are then split over 4 warps without copies)."""
     return len(fmt.parts) == 1 and fmt.parts[0].bits == 4 and head_dim % 128 == 0
 
 
@@ -140,7 +158,9 @@ def turbo_attention(
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2], **ring,
-        K_PLANES=TUNING["turbo_planes"] and _by_planes(kf, d),
+        K_PLANES=TUNING["turbo_planes"] and _by_planes(kf, d), V_PLANES=TUNING["turbo_planes"] and _by_planes(vf, d),
+        K_ASM_H=_halves_asm(kf) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(kf, d) else "",
+        V_ASM_H=_halves_asm(vf) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(vf, d) else "",
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}

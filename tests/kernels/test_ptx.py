@@ -82,3 +82,19 @@ def test_the_plane_split_writes_each_code_into_its_offset(bits, off):
             assert got[2 * p:2 * p + 2] == [half[0] | half[1] << 16, half[2] | half[3] << 16], (p, data)
     with pytest.raises(ValueError, match="no plane PTX"):
         decode.plane_asm(8, 128)  # bf16 holds codes below 128 only
+
+
+def test_the_turbo_half_lookup_decodes_every_code():
+    """`turbo.lookup_asm_halves`: two 16-bit halves of 4-bit codes -> each plane k's centroids of both halves, the
+    first half's in the low 16 bits."""
+    book = signed_order(lloyd_max_codebook(128, 4))
+    halves = _halves(book)
+    asm = turbo.lookup_asm_halves(halves)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(256):
+        codes = torch.randint(0, 16, (2, 4), generator=gen).tolist()  # two halves, channels 4j + k
+        word = sum(c << (4 * k + 16 * h) for h in range(2) for k, c in enumerate(codes[h]))
+        got = ptx.run(asm, 4, [word])
+        assert got == [halves[codes[0][k]] | halves[codes[1][k]] << 16 for k in range(4)], codes
+    with pytest.raises(ValueError, match="sign-magnitude"):
+        turbo.lookup_asm_halves(_halves(lloyd_max_codebook(128, 4)))  # ascending order: negative magnitudes

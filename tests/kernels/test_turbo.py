@@ -69,9 +69,9 @@ def test_qjl_keys_and_static_windows_of_two_lengths_go_to_the_reference():
 
 
 @pytest.mark.parametrize("planes", [True, False], ids=["planes", "tile"])
-def test_4_bit_keys_read_by_planes(planes, monkeypatch):
-    """head_dim 128 at 4 bits: the keys' products by plane (channels 8j + i, `turbo._plane_centroids`) or as one tile,
-    both against the reference, a decode step and a chunk of queries; 3-bit keys are never read by planes."""
+def test_4_bit_streams_read_by_planes(planes, monkeypatch):
+    """head_dim 128 at 4 bits: both streams' products by plane (channels 4j + i, `turbo._half_planes`) or as one tile,
+    against the reference, a decode step and a chunk of queries; 3-bit streams are never read by planes."""
     from hf_kvcache.kernels import turbo, turbo_launch
 
     monkeypatch.setitem(ops.TUNING, "turbo_planes", planes)
@@ -81,10 +81,12 @@ def test_4_bit_keys_read_by_planes(planes, monkeypatch):
     _compare("turboquant-4", {}, batch=1, heads=4, kv_heads=1, head_dim=128, steps=(300, 1))
     _compare("turboquant-4", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(290, 9))
     body = [kw for kw in launched if kw["BODY"]]
-    assert body and all(kw["K_PLANES"] == planes for kw in body)
-    cache, _ = _filled_layer("turboquant-3", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(2, 1),
+    assert body and all(kw["K_PLANES"] == kw["V_PLANES"] == planes for kw in body)
+    cache, _ = _filled_layer("turboquant-3.5", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(2, 1),
                              dtype=torch.float32)
-    assert not turbo_launch._by_planes(cache.layers[0].key_stream.kernel_view().fmt, 128)
+    layer = cache.layers[0]
+    assert turbo_launch._by_planes(layer.key_stream.kernel_view().fmt, 128)  # 4-bit keys
+    assert not turbo_launch._by_planes(layer.value_stream.kernel_view().fmt, 128)  # 3-bit values
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
