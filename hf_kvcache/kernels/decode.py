@@ -86,16 +86,34 @@ def _unpack_rows(ptr, row_off, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _group_dequant(C, tok, sc_t, scale, zero, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                   CHG: tl.constexpr, SYM: tl.constexpr):
+                   CHG: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr = ""):
     """Per-token groups of CHG < D channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero, from the
     tile's `scale`/`zero (BLOCK_N, D / CHG)`. The group scales are broadcast by reshapes, which keeps the
-    dequantized tile from being produced in the tensor-core operand layout: it goes through shared memory."""
+    dequantized tile from being produced in the tensor-core operand layout: it goes through shared memory. ASM
+    (`plane_asm(BITS, 1024)`, the GPU): the codes come from the plane PTX as 1024 + code in fp16, joined in channel
+    order, instead of Triton's shifts and masks and an integer conversion; the 1024 is taken out with the zero, whose
+    rounding in fp32 (1024 * scale * 2^-24) is far below the model dtype's."""
     NG: tl.constexpr = D // CHG
-    code3 = tl.reshape(_unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32), (BLOCK_N, NG, CHG))
-    if SYM:
-        x = (code3 - (1 << (BITS - 1))) * scale[:, :, None]
+    if ASM != "":
+        # 1024 + code from the PTX (exact in fp16), to fp32; the 1024 goes into the zero (one FMA an element)
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.load(C + (tok * sc_t)[:, None] + tl.arange(0, D // PER)[None, :])
+        x0, x1, x2, x3 = _planes_ptx(byte, ASM, PER, tl.float16)
+        if BITS == 4:
+            code = tl.reshape(tl.join(x0, x1), (BLOCK_N, D))
+        else:
+            code = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BLOCK_N, D))
+        code3 = tl.reshape(code.to(tl.float32), (BLOCK_N, NG, CHG))
+        if SYM:
+            x = code3 * scale[:, :, None] - ((1024 + (1 << (BITS - 1))) * scale)[:, :, None]
+        else:
+            x = code3 * scale[:, :, None] + (zero - 1024 * scale)[:, :, None]
     else:
-        x = code3 * scale[:, :, None] + zero[:, :, None]
+        code3 = tl.reshape(_unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32), (BLOCK_N, NG, CHG))
+        if SYM:
+            x = (code3 - (1 << (BITS - 1))) * scale[:, :, None]
+        else:
+            x = code3 * scale[:, :, None] + zero[:, :, None]
     return tl.reshape(x, (BLOCK_N, D))
 
 
@@ -574,7 +592,7 @@ def _attn_fwd(
                 else:
                     s = s * k0[None, :] + q_sum[:, None] * (kz_t + K_CTR * k0)[None, :]
             else:
-                kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
+                kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM, K_ASM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK and MASK_ROW:
@@ -614,7 +632,7 @@ def _attn_fwd(
                     acc2 = _dot_into(acc2 * alpha[:, None], ps, x2, PREC)
                     acc3 = _dot_into(acc3 * alpha[:, None], ps, x3, PREC)
             else:
-                vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
+                vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM, V_ASM)
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:

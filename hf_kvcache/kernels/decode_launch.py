@@ -65,10 +65,12 @@ def _plane_asm(fmt, dtype: torch.dtype, planes: bool) -> str:
     operations): planes read with a magic offset (`_magic_offset`), on the GPU, with `TUNING["plane_asm"]`."""
     from . import decode
 
-    off = _magic_offset(fmt, dtype)
-    if not (planes and off and TUNING["plane_asm"]):
+    if fmt.kind != "uniform" or not TUNING["plane_asm"] or backend.interpreting():
         return ""
-    return decode.plane_asm(fmt.bits, off)
+    if not planes:  # whole tiles of groups (`decode._group_dequant`): 1024 + code in fp16, then fp32
+        return decode.plane_asm(fmt.bits, 1024) if fmt.token_group == 1 and fmt.bits < 8 else ""
+    off = _magic_offset(fmt, dtype)
+    return decode.plane_asm(fmt.bits, off) if off else ""
 
 
 def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:

@@ -98,3 +98,27 @@ def test_the_turbo_half_lookup_decodes_every_code():
         assert got == [halves[codes[0][k]] | halves[codes[1][k]] << 16 for k in range(4)], codes
     with pytest.raises(ValueError, match="sign-magnitude"):
         turbo.lookup_asm_halves(_halves(lloyd_max_codebook(128, 4)))  # ascending order: negative magnitudes
+
+
+def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
+    """Which PTX `decode._planes` / `_group_dequant` receive (`decode_launch._plane_asm`): planes in the products'
+    dtype, grouped tiles at 1024 (then fp32), none for fp8, for 8-bit codes in bf16, on the interpreter or when off."""
+    from hf_kvcache.kernels import decode, decode_launch, ops
+    from hf_kvcache.kernels.layout import PackedFormat
+
+    monkeypatch.setattr(decode_launch.backend, "interpreting", lambda: False)
+    pick = decode_launch._plane_asm
+    int4_g32 = PackedFormat("uniform", bits=4, channel_group=32)
+    kivi_keys = PackedFormat("uniform", bits=2, token_group=32, channel_group=1)
+    int8 = PackedFormat("uniform", bits=8)
+    assert pick(int4_g32, torch.bfloat16, planes=False) == decode.plane_asm(4, 1024)
+    assert pick(kivi_keys, torch.bfloat16, planes=True) == decode.plane_asm(2, 128)
+    assert pick(kivi_keys, torch.bfloat16, planes=False) == ""  # per-channel blocks are read by planes only
+    assert pick(int8, torch.float16, planes=True) == decode.plane_asm(8, 1024)
+    assert pick(int8, torch.bfloat16, planes=True) == ""  # 8-bit codes pass bf16's 128
+    assert pick(PackedFormat("fp8-e4m3"), torch.float16, planes=False) == ""
+    monkeypatch.setitem(ops.TUNING, "plane_asm", False)
+    assert pick(int4_g32, torch.bfloat16, planes=False) == ""
+    monkeypatch.setattr(decode_launch.backend, "interpreting", lambda: True)
+    monkeypatch.setitem(ops.TUNING, "plane_asm", True)
+    assert pick(int4_g32, torch.bfloat16, planes=False) == ""
