@@ -28,7 +28,9 @@ import torch
 
 from ._common import BenchConfig
 
-# the body kernels of the fused reads (the tail program and the combine are per step, not per token)
+# the body kernels of the fused reads (the tail program and the combine are per step, not per token); KVQuant's
+# kernel holds its tail program too, and its longest loop is the body's (its keys' RoPE: checked on the SASS, 909
+# instructions against the tail's 812, 2026-12-05)
 BODY_KERNELS = ("_attn_fwd", "_turbo_attn", "_nuq_attn")
 HELD = 4096
 
@@ -60,8 +62,8 @@ def opcode_counts(instructions: list[str]) -> collections.Counter:
     return collections.Counter(t.split()[0].split(".")[0] for t in instructions if t)
 
 
-def _resources(cubin: bytes) -> dict:
-    """Registers, stack and local (spilled) bytes a thread, from `cuobjdump -res-usage`."""
+def _resources(cubin: bytes) -> tuple[dict, str]:
+    """Registers, stack and local (spilled) bytes a thread (`cuobjdump -res-usage`), and the machine code (`-sass`)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
