@@ -25,6 +25,8 @@ with more rows. The launchers are `decode_launch.py`'s (`packed_attention`, `_co
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -268,6 +270,7 @@ def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: 
     return s
 
 
+@functools.lru_cache(maxsize=None)
 def plane_asm(bits: int, off: int) -> str:
     """The PTX of `_planes` for `bits`-bit codes and OFF `off` (1024: fp16, 128: bf16 for codes below 128): input `$n`
     four packed bytes (n = 2 * 8 / bits), outputs `$2P`, `$2P + 1` plane P's OFF + code of bytes 0, 1 and of bytes 2,
