@@ -212,13 +212,13 @@ def first_call(spec: str, batch: int, warm: bool, layers: int, context: int, chu
     return dict(method=spec, batch=batch, warm_up_s=warm_s, first_s=first, second_s=second)
 
 
-def _fresh_process(*args) -> dict:
-    """This module's `__main__` with `args` in a new Python whose Triton cache is empty (a compile cached on disk
-    would not count) -> the JSON it prints last."""
+def _fresh_process(*args, module: str = "hf_kvcache.bench.compiles") -> dict:
+    """`module`'s `__main__` (this one's by default) with `args` in a new Python whose Triton cache is empty (a compile
+    cached on disk would not count) -> the JSON it prints last."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "TRITON_CACHE_DIR": tmp, "TRITON_INTERPRET": "0", "HF_KVCACHE_BACKEND": "auto"}
-        done = subprocess.run([sys.executable, "-m", "hf_kvcache.bench.compiles", *map(str, args)], env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", module, *map(str, args)], env=env, capture_output=True,
+                              text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(map(str, args))} failed in its own process:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])

@@ -132,15 +132,9 @@ def count(spec: str, arch: int = 90) -> dict:
 
 def sass_part(cfg: BenchConfig, log=print) -> list[dict]:
     """Each of `methods`' decode body kernel for `compile_arch`, each method in a fresh process (module text)."""
-    rows = []
-    for spec in cfg.methods:
-        with tempfile.TemporaryDirectory() as tmp:
-            env = {**os.environ, "TRITON_CACHE_DIR": tmp, "TRITON_INTERPRET": "0", "HF_KVCACHE_BACKEND": "auto"}
-            done = subprocess.run([sys.executable, "-m", "hf_kvcache.bench.sass", spec, str(cfg.compile_arch)],
-                                  env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{spec} failed in its own process:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(done.stdout.splitlines()[-1]))
+    from .compiles import _fresh_process
+
+    rows = [_fresh_process(spec, cfg.compile_arch, module="hf_kvcache.bench.sass") for spec in cfg.methods]
     fp8 = next((r for r in rows if r["method"] == "fp8-e4m3"), None)
     for r in rows:
         r["of_fp8_issue"] = r["bytes_per_instruction"] / fp8["bytes_per_instruction"] if fp8 else None

@@ -231,10 +231,7 @@ def _planes(byte, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr, CENTE
     `_plane`'s integer operations on one element at a time take about 2.75."""
     PER: tl.constexpr = 8 // BITS
     if ASM != "":
-        if DT == tl.float16:
-            o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, tl.float16)
-        else:
-            o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, tl.bfloat16)
+        o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, DT)
         x0 = o0 - (OFF + CENTER)
         x1 = o1 - (OFF + CENTER)
         x2 = o2 - (OFF + CENTER)

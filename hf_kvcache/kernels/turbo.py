@@ -38,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dot, _dot_into, _finish_scores, _mask_scores, _softmax_step, _static_places, _unpack
+from .decode import _dot, _dot_into, _finish_scores, _mask_scores, _q_plane, _softmax_step, _static_places, _unpack
 
 LOOKUP_LOAD = 1
 LOOKUP_REGISTERS = 2
@@ -119,12 +119,6 @@ def _half_planes(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM
         x2 = tl.load(CB + _unpack(C, row, ch + 2, ok[:, None], 4)).to(PDT)
         x3 = tl.load(CB + _unpack(C, row, ch + 3, ok[:, None], 4)).to(PDT)
     return x0, x1, x2, x3
-
-
-@triton.jit
-def _q_plane(Q, qoff, row_ok, ch, q_pow2, PDT: tl.constexpr):
-    """The query's channels `ch` (a plane of `_half_planes`) times its power of two, in PDT."""
-    return (tl.load(Q + qoff[:, None] + ch[None, :], mask=row_ok[:, None], other=0.0) * q_pow2).to(PDT)
 
 
 @triton.jit
@@ -266,11 +260,11 @@ def _turbo_attn(
             a2 = a0
             a3 = a0
         if K_PLANES:  # one 4-bit part: the query by plane of halves (channels 4j + i), see `_half_planes`
-            jq = 4 * tl.arange(0, D // 4)
-            q0 = _q_plane(Q, qoff, row_ok, jq, q_pow2, PDT)
-            q1 = _q_plane(Q, qoff, row_ok, jq + 1, q_pow2, PDT)
-            q2 = _q_plane(Q, qoff, row_ok, jq + 2, q_pow2, PDT)
-            q3 = _q_plane(Q, qoff, row_ok, jq + 3, q_pow2, PDT)
+            jq = tl.arange(0, D // 4)
+            q0 = (_q_plane(Q, qoff, row_ok, jq, 0, 4) * q_pow2).to(PDT)
+            q1 = (_q_plane(Q, qoff, row_ok, jq, 1, 4) * q_pow2).to(PDT)
+            q2 = (_q_plane(Q, qoff, row_ok, jq, 2, 4) * q_pow2).to(PDT)
+            q3 = (_q_plane(Q, qoff, row_ok, jq, 3, 4) * q_pow2).to(PDT)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
         # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a

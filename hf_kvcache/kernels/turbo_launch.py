@@ -69,21 +69,13 @@ def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[tor
     return found
 
 
-_HALVES: dict[tuple, str] = {}  # `turbo.lookup_asm_halves` by (bits, the codebook's values), as `_TABLES`
-
-
-def _halves_asm(fmt) -> str:
-    """`turbo.lookup_asm_halves` of a 4-bit stream's codebook, cached."""
+@functools.lru_cache(maxsize=64)
+def _halves_asm(levels: tuple[float, ...]) -> str:
+    """`turbo.lookup_asm_halves` of a 4-bit codebook, from its numbers (`CodebookPart.levels`: no tensor is read)."""
     from . import turbo
 
-    part = fmt.parts[0]
-    key = (part.bits, part.levels)
-    if key not in _HALVES:
-        halves = [int(v) & 0xFFFF for v in part.codebook.to(torch.float16).view(torch.int16).tolist()]
-        if len(_HALVES) > 64:
-            _HALVES.clear()
-        _HALVES[key] = turbo.lookup_asm_halves(halves)
-    return _HALVES[key]
+    halves = torch.tensor(levels, dtype=torch.float32).to(torch.float16).view(torch.int16).tolist()
+    return turbo.lookup_asm_halves([int(v) & 0xFFFF for v in halves])
 
 
 def _by_planes(fmt, head_dim: int) -> bool:
@@ -159,8 +151,8 @@ def turbo_attention(
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2], **ring,
         K_PLANES=TUNING["turbo_planes"] and _by_planes(kf, d), V_PLANES=TUNING["turbo_planes"] and _by_planes(vf, d),
-        K_ASM_H=_halves_asm(kf) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(kf, d) else "",
-        V_ASM_H=_halves_asm(vf) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(vf, d) else "",
+        K_ASM_H=_halves_asm(kf.parts[0].levels) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(kf, d) else "",
+        V_ASM_H=_halves_asm(vf.parts[0].levels) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(vf, d) else "",
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}
