@@ -88,42 +88,65 @@ def _unpack_rows(ptr, row_off, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _group_dequant(C, tok, sc_t, scale, zero, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                   CHG: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr = ""):
+                   CHG: tl.constexpr, SYM: tl.constexpr):
     """Per-token groups of CHG < D channels, whole tiles: float32 (BLOCK_N, D) = code * scale + zero, from the
-    tile's `scale`/`zero (BLOCK_N, D / CHG)`. The group scales are broadcast by reshapes, which keeps the
-    dequantized tile from being produced in the tensor-core operand layout: it goes through shared memory. ASM
-    (`plane_asm(BITS, 1024)`, the GPU): the codes come from the plane PTX as 1024 + code in fp16, joined in channel
-    order, instead of Triton's shifts and masks and an integer conversion; the 1024 is taken out with the zero, whose
-    rounding in fp32 (1024 * scale * 2^-24) is far below the model dtype's."""
+    tile's `scale`/`zero (BLOCK_N, D / CHG)` (Triton's integer operations: the interpreter, fp32 models). The group
+    scales are broadcast by reshapes, which keeps the dequantized tile from being produced in the tensor-core operand
+    layout: it goes through shared memory."""
     NG: tl.constexpr = D // CHG
-    if ASM != "":
-        # 1024 + code from the PTX (exact in fp16), to fp32; the 1024 goes into the zero (one FMA an element)
-        PER: tl.constexpr = 8 // BITS
-        byte = tl.load(C + (tok * sc_t)[:, None] + tl.arange(0, D // PER)[None, :])
-        x0, x1, x2, x3 = _planes_ptx(byte, ASM, PER, tl.float16)
-        if BITS == 4:
-            code = tl.reshape(tl.join(x0, x1), (BLOCK_N, D))
-        else:
-            code = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BLOCK_N, D))
-        code3 = tl.reshape(code.to(tl.float32), (BLOCK_N, NG, CHG))
-        if SYM:
-            x = code3 * scale[:, :, None] - ((1024 + (1 << (BITS - 1))) * scale)[:, :, None]
-        else:
-            x = code3 * scale[:, :, None] + (zero - 1024 * scale)[:, :, None]
+    code3 = tl.reshape(_unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32), (BLOCK_N, NG, CHG))
+    if SYM:
+        x = (code3 - (1 << (BITS - 1))) * scale[:, :, None]
     else:
-        code3 = tl.reshape(_unpack_rows(C, tok * sc_t, BLOCK_N, D, BITS).to(tl.float32), (BLOCK_N, NG, CHG))
-        if SYM:
-            x = (code3 - (1 << (BITS - 1))) * scale[:, :, None]
-        else:
-            x = code3 * scale[:, :, None] + zero[:, :, None]
+        x = code3 * scale[:, :, None] + zero[:, :, None]
     return tl.reshape(x, (BLOCK_N, D))
+
+
+@triton.jit
+def _group_plane(o, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
+    """One plane of `_group_planes`: 1024 + code in fp16 -> code * scale + zero, two elements an instruction each
+    (the subtraction is exact; the FMA rounds once, to fp16)."""
+    if SYM:
+        x = (o - (1024.0 + (1 << (BITS - 1)))) * scale
+    else:
+        x = tl.fma(o - 1024.0, scale, zero)
+    return x
+
+
+@triton.jit
+def _group_planes(C, tok, sc_t, scale, zero, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                  CHG: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """Per-token groups of CHG < D channels of a 16-bit model, whole tiles, on the GPU: the bit planes of
+    `_planes` (x0..x3, plane P = channels PER*j + P, (BLOCK_N, D / PER)) dequantized in fp16, code * scale + zero,
+    from the PTX's 1024 + code. Each plane is an operand of its own product, so no tile is joined back into channel
+    order through shared memory. Every value lies between the group's fp16 zero and zero + (2^BITS - 1) * scale,
+    inside fp16's range, and rounds to fp16 (11 bits, where the model dtype's bf16 kept 8)."""
+    PER: tl.constexpr = 8 // BITS
+    byte = tl.load(C + (tok * sc_t)[:, None] + tl.arange(0, D // PER)[None, :])
+    o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, tl.float16)
+    shape3: tl.constexpr = (BLOCK_N, D // CHG, CHG // PER)
+    sg = tl.reshape(tl.broadcast_to(scale.to(tl.float16)[:, :, None], shape3), (BLOCK_N, D // PER))
+    zg = sg
+    if not SYM:
+        zg = tl.reshape(tl.broadcast_to(zero.to(tl.float16)[:, :, None], shape3), (BLOCK_N, D // PER))
+    x0 = _group_plane(o0, sg, zg, BITS, SYM)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if PER > 1:
+        x1 = _group_plane(o1, sg, zg, BITS, SYM)
+    if PER > 2:
+        x2 = _group_plane(o2, sg, zg, BITS, SYM)
+        x3 = _group_plane(o3, sg, zg, BITS, SYM)
+    return x0, x1, x2, x3
 
 
 @triton.jit
 def _side(SC, Z, tile, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
           BITS: tl.constexpr, TOKG: tl.constexpr, CHG: tl.constexpr, SYM: tl.constexpr, PLANES: tl.constexpr):
     """The scales and zeros one body tile needs, as float32 (a0, a1, a2, a3, z): per-channel key blocks: the
-    scales of each bit plane's channels (D / PER,) and the zeros (D,); one group per token: (BLOCK_N,) scales and
+    scales of each bit plane's channels (D / PER,) and, asymmetric, zero + 2^(BITS-1) * scale (D,), what the
+    centered codes leave out of q.k; one group per token: (BLOCK_N,) scales and
     zeros; smaller groups: (BLOCK_N, D / CHG) tiles; fp8: placeholders. The body loads them one tile ahead, so
     that their latency overlaps the current tile's work (Triton's pipeliner only prefetches the code tiles)."""
     n = tl.arange(0, BLOCK_N)
@@ -147,7 +170,11 @@ def _side(SC, Z, tile, ss_t, ss_c, BLOCK_N: tl.constexpr, D: tl.constexpr, FMT: 
         if PER > 2:
             a2 = tl.load(base + (PER * j + 2) * ss_c).to(tl.float32)
             a3 = tl.load(base + (PER * j + 3) * ss_c).to(tl.float32)
-        z = tl.load(Z + tile * ss_t + tl.arange(0, D) * ss_c).to(tl.float32)
+        z = a0
+        if not SYM:  # the zeros plus the codes' center times the scales, in channel order
+            d = tl.arange(0, D)
+            z = (tl.load(Z + tile * ss_t + d * ss_c).to(tl.float32)
+                 + (1 << (BITS - 1)) * tl.load(base + d * ss_c).to(tl.float32))
     elif PLANES:
         a0 = tl.load(SC + tok * ss_t).to(tl.float32)
         a1 = a0
@@ -502,8 +529,12 @@ def _attn_fwd(
 
     if BODY:
         # ------------------------------------------------------------------ body: whole packed tiles
-        KPER: tl.constexpr = 8 // K_BITS if K_PLANES else 1
-        VPER: tl.constexpr = 8 // V_BITS if V_PLANES else 1
+        # grouped tiles of a 16-bit model read as fp16 planes (`_group_planes`) on the GPU: where plane PTX is given
+        K_GP: tl.constexpr = K_ASM != "" and not K_PLANES
+        V_GP: tl.constexpr = V_ASM != "" and not V_PLANES
+        KPER: tl.constexpr = 8 // K_BITS if K_PLANES or K_GP else 1
+        VPER: tl.constexpr = 8 // V_BITS if V_PLANES or V_GP else 1
+        KQT: tl.constexpr = tl.float16 if K_GP else PDT  # the dtype of the query's planes
         jk = tl.arange(0, D // KPER)
         jv = tl.arange(0, D // VPER)
         # The products' operands are PDT: the model dtype, or fp16 for a bf16 model when every code converts to
@@ -511,21 +542,21 @@ def _attn_fwd(
         # fp32. The query then enters the products times q_pow2, a power of two that keeps it inside fp16's range
         # (1 unless some |q| >= 2^15), and the scores are divided by it again.
         q_pow2 = 1.0
-        if PDT != DT:
+        if PDT != DT or K_GP:
             q_max = tl.max(tl.max(tl.abs(qf), 1), 0)
             q_pow2 = tl.exp2(-tl.maximum(tl.ceil(tl.log2(tl.maximum(q_max, 1e-30) * (1.0 / 32768.0))), 0.0))
         qp = (qf * q_pow2).to(PDT)
-        if K_PLANES:
+        if K_PLANES or K_GP:
             # query planes, rounded as the products see them; their sums carry the zeros and the codes' centers
-            q0 = (_q_plane(Q, qoff, row_ok, jk, 0, KPER).to(tl.float32) * q_pow2).to(PDT)
+            q0 = (_q_plane(Q, qoff, row_ok, jk, 0, KPER).to(tl.float32) * q_pow2).to(KQT)
             q1 = q0
             q2 = q0
             q3 = q0
             if KPER > 1:
-                q1 = (_q_plane(Q, qoff, row_ok, jk, 1, KPER).to(tl.float32) * q_pow2).to(PDT)
+                q1 = (_q_plane(Q, qoff, row_ok, jk, 1, KPER).to(tl.float32) * q_pow2).to(KQT)
             if KPER > 2:
-                q2 = (_q_plane(Q, qoff, row_ok, jk, 2, KPER).to(tl.float32) * q_pow2).to(PDT)
-                q3 = (_q_plane(Q, qoff, row_ok, jk, 3, KPER).to(tl.float32) * q_pow2).to(PDT)
+                q2 = (_q_plane(Q, qoff, row_ok, jk, 2, KPER).to(tl.float32) * q_pow2).to(KQT)
+                q3 = (_q_plane(Q, qoff, row_ok, jk, 3, KPER).to(tl.float32) * q_pow2).to(KQT)
             q_sum = tl.sum(qp.to(tl.float32), 1) / q_pow2
         acc0 = tl.zeros((BLOCK_M, D // VPER), tl.float32)
         acc1 = acc0
@@ -573,17 +604,14 @@ def _attn_fwd(
                 qs1 = qs0
                 qs2 = qs0
                 qs3 = qs0
-                qs_sum = tl.sum(qs0.to(tl.float32), 1)
                 if KPER > 1:
                     qs1 = (q1.to(tl.float32) * k1[None, :]).to(DT)
-                    qs_sum += tl.sum(qs1.to(tl.float32), 1)
                 if KPER > 2:
                     qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
-                    qs_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
                 s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM)
-                if not K_SYM:  # q.k = (q * s) . (c - K_CTR) + q . z + K_CTR * sum(q * s)
-                    s += (tl.sum(qf * kz_t[None, :], 1) + K_CTR * qs_sum)[:, None]
+                if not K_SYM:  # q.k = (q * s) . (c - K_CTR) + q . (z + K_CTR * s), the latter from `_side`
+                    s += tl.sum(qf * kz_t[None, :], 1)[:, None]
             elif K_PLANES:
                 # one group per token row: q.k = scale * (q . (c - K_CTR)) + (zero + K_CTR * scale) * sum(q)
                 s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM) / q_pow2
@@ -591,8 +619,18 @@ def _attn_fwd(
                     s = s * k0[None, :]
                 else:
                     s = s * k0[None, :] + q_sum[:, None] * (kz_t + K_CTR * k0)[None, :]
+            elif K_GP:
+                # the fp16 planes of the dequantized tile, each times its query plane
+                x0, x1, x2, x3 = _group_planes(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM, K_ASM)
+                s = _dot(q0, tl.trans(x0), PREC)
+                if KPER > 1:
+                    s = _dot_into(s, q1, tl.trans(x1), PREC)
+                if KPER > 2:
+                    s = _dot_into(s, q2, tl.trans(x2), PREC)
+                    s = _dot_into(s, q3, tl.trans(x3), PREC)
+                s = s / q_pow2
             else:
-                kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM, K_ASM)
+                kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK and MASK_ROW:
@@ -631,8 +669,18 @@ def _attn_fwd(
                 if VPER > 2:
                     acc2 = _dot_into(acc2 * alpha[:, None], ps, x2, PREC)
                     acc3 = _dot_into(acc3 * alpha[:, None], ps, x3, PREC)
+            elif V_GP:
+                # each fp16 plane of the dequantized tile into its own accumulator (output channels PER*j + P)
+                x0, x1, x2, x3 = _group_planes(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM, V_ASM)
+                pg = p.to(tl.float16)
+                acc0 = _dot_into(acc0 * alpha[:, None], pg, x0, PREC)
+                if VPER > 1:
+                    acc1 = _dot_into(acc1 * alpha[:, None], pg, x1, PREC)
+                if VPER > 2:
+                    acc2 = _dot_into(acc2 * alpha[:, None], pg, x2, PREC)
+                    acc3 = _dot_into(acc3 * alpha[:, None], pg, x3, PREC)
             else:
-                vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM, V_ASM)
+                vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:

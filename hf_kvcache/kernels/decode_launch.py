@@ -67,8 +67,9 @@ def _plane_asm(fmt, dtype: torch.dtype, planes: bool) -> str:
 
     if fmt.kind != "uniform" or not TUNING["plane_asm"] or backend.interpreting():
         return ""
-    if not planes:  # whole tiles of groups (`decode._group_dequant`): 1024 + code in fp16, then fp32
-        return decode.plane_asm(fmt.bits, 1024) if fmt.token_group == 1 and fmt.bits < 8 else ""
+    if not planes:  # whole tiles of groups (`decode._group_dequant`), dequantized in fp16 for a 16-bit model
+        grouped = fmt.token_group == 1 and fmt.bits < 8 and dtype in (torch.float16, torch.bfloat16)
+        return decode.plane_asm(fmt.bits, 1024) if grouped else ""
     off = _magic_offset(fmt, dtype)
     return decode.plane_asm(fmt.bits, off) if off else ""
 

@@ -47,8 +47,8 @@ TUNING = {
     # a decode step's mask row loaded one tile ahead in the body loops (`decode._attn_fwd`, `turbo._turbo_attn`)
     "mask_ahead": os.environ.get("HF_KVCACHE_MASK_AHEAD", "1") == "1",
     # integer codes split by inline PTX, two elements a 32-bit register (`decode.plane_asm`): bit planes
-    # (`decode._planes`) and grouped tiles (`decode._group_dequant`), instead of Triton's integer operations on one
-    # element at a time
+    # (`decode._planes`) and a 16-bit model's grouped tiles, then dequantized in fp16 by plane (`decode._group_planes`),
+    # instead of Triton's integer operations on one element at a time (and grouped tiles in fp32, joined)
     "plane_asm": os.environ.get("HF_KVCACHE_PLANE_ASM", "1") == "1",
     # fp16 products for bf16 models where every code converts to fp16 exactly (`decode_launch._product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",

@@ -101,8 +101,9 @@ def test_the_turbo_half_lookup_decodes_every_code():
 
 
 def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
-    """Which PTX `decode._planes` / `_group_dequant` receive (`decode_launch._plane_asm`): planes in the products'
-    dtype, grouped tiles at 1024 (then fp32), none for fp8, for 8-bit codes in bf16, on the interpreter or when off."""
+    """Which PTX `decode._planes` / `_group_planes` receive (`decode_launch._plane_asm`): planes in the products'
+    dtype, grouped tiles of a 16-bit model at 1024 (dequantized in fp16), none for an fp32 model's grouped tiles
+    (Triton's fp32 path), for fp8, for 8-bit codes in bf16, on the interpreter or when off."""
     from hf_kvcache.kernels import decode, decode_launch, ops
     from hf_kvcache.kernels.layout import PackedFormat
 
@@ -112,6 +113,8 @@ def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
     kivi_keys = PackedFormat("uniform", bits=2, token_group=32, channel_group=1)
     int8 = PackedFormat("uniform", bits=8)
     assert pick(int4_g32, torch.bfloat16, planes=False) == decode.plane_asm(4, 1024)
+    assert pick(int4_g32, torch.float16, planes=False) == decode.plane_asm(4, 1024)
+    assert pick(int4_g32, torch.float32, planes=False) == ""
     assert pick(kivi_keys, torch.bfloat16, planes=True) == decode.plane_asm(2, 128)
     assert pick(kivi_keys, torch.bfloat16, planes=False) == ""  # per-channel blocks are read by planes only
     assert pick(int8, torch.float16, planes=True) == decode.plane_asm(8, 1024)
