@@ -103,41 +103,42 @@ def _group_dequant(C, tok, sc_t, scale, zero, BLOCK_N: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def _group_plane(o, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
-    """One plane of `_group_planes`: 1024 + code in fp16 -> code * scale + zero, two elements an instruction each
-    (the subtraction is exact; the FMA rounds once, to fp16)."""
+def _group_plane(c, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
+    """One plane of `_group_planes`: the exact fp16 codes -> code * scale + zero (asymmetric) or
+    (code - 2^(BITS-1)) * scale, two elements an instruction, rounded once to fp16."""
     if SYM:
-        x = (o - (1024.0 + (1 << (BITS - 1)))) * scale
+        x = (c - (1 << (BITS - 1))) * scale
     else:
-        x = tl.fma(o - 1024.0, scale, zero)
+        x = tl.fma(c, scale, zero)
     return x
 
 
 @triton.jit
 def _group_planes(C, tok, sc_t, scale, zero, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                   CHG: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Per-token groups of CHG < D channels of a 16-bit model, whole tiles, on the GPU: the bit planes of
-    `_planes` (x0..x3, plane P = channels PER*j + P, (BLOCK_N, D / PER)) dequantized in fp16, code * scale + zero,
-    from the PTX's 1024 + code. Each plane is an operand of its own product, so no tile is joined back into channel
-    order through shared memory. Every value lies between the group's fp16 zero and zero + (2^BITS - 1) * scale,
-    inside fp16's range, and rounds to fp16 (11 bits, where the model dtype's bf16 kept 8)."""
+    """Per-token groups of CHG < D channels of a 16-bit model, whole tiles: the bit planes of `_planes` (x0..x3,
+    plane P = channels PER*j + P, (BLOCK_N, D / PER)), their codes exact in fp16 (1024 + code, less 1024),
+    dequantized in fp16 from the tile's `scale`/`zero (BLOCK_N, D / CHG)`. Each plane is an operand of its own
+    product, so no tile is joined back into channel order through shared memory. Every value lies between the
+    group's fp16 zero and zero + (2^BITS - 1) * scale, inside fp16's range, and is rounded to fp16 (11 bits, where a
+    bf16 tile kept 8)."""
     PER: tl.constexpr = 8 // BITS
     byte = tl.load(C + (tok * sc_t)[:, None] + tl.arange(0, D // PER)[None, :])
-    o0, o1, o2, o3 = _planes_ptx(byte, ASM, PER, tl.float16)
+    c0, c1, c2, c3 = _planes(byte, BITS, tl.float16, 1024, 0, ASM)
     shape3: tl.constexpr = (BLOCK_N, D // CHG, CHG // PER)
     sg = tl.reshape(tl.broadcast_to(scale.to(tl.float16)[:, :, None], shape3), (BLOCK_N, D // PER))
     zg = sg
     if not SYM:
         zg = tl.reshape(tl.broadcast_to(zero.to(tl.float16)[:, :, None], shape3), (BLOCK_N, D // PER))
-    x0 = _group_plane(o0, sg, zg, BITS, SYM)
+    x0 = _group_plane(c0, sg, zg, BITS, SYM)
     x1 = x0
     x2 = x0
     x3 = x0
     if PER > 1:
-        x1 = _group_plane(o1, sg, zg, BITS, SYM)
+        x1 = _group_plane(c1, sg, zg, BITS, SYM)
     if PER > 2:
-        x2 = _group_plane(o2, sg, zg, BITS, SYM)
-        x3 = _group_plane(o3, sg, zg, BITS, SYM)
+        x2 = _group_plane(c2, sg, zg, BITS, SYM)
+        x3 = _group_plane(c3, sg, zg, BITS, SYM)
     return x0, x1, x2, x3
 
 
@@ -471,6 +472,7 @@ def _attn_fwd(
     MASK_ROW: tl.constexpr = False, MASK_AHEAD: tl.constexpr = True, STATIC: tl.constexpr = False,
     SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
     K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False, K_ASM: tl.constexpr = "", V_ASM: tl.constexpr = "",
+    K_GP: tl.constexpr = False, V_GP: tl.constexpr = False,  # grouped tiles in fp16 by plane (`_group_planes`)
 ):
     pid_bh = tl.program_id(0)
     k_off = 0
@@ -529,9 +531,6 @@ def _attn_fwd(
 
     if BODY:
         # ------------------------------------------------------------------ body: whole packed tiles
-        # grouped tiles of a 16-bit model read as fp16 planes (`_group_planes`) on the GPU: where plane PTX is given
-        K_GP: tl.constexpr = K_ASM != "" and not K_PLANES
-        V_GP: tl.constexpr = V_ASM != "" and not V_PLANES
         KPER: tl.constexpr = 8 // K_BITS if K_PLANES or K_GP else 1
         VPER: tl.constexpr = 8 // V_BITS if V_PLANES or V_GP else 1
         KQT: tl.constexpr = tl.float16 if K_GP else PDT  # the dtype of the query's planes

@@ -60,16 +60,27 @@ def _magic_offset(fmt, dtype: torch.dtype) -> int:
     return 128 if dtype == torch.bfloat16 and fmt.bits <= 4 else 0
 
 
-def _plane_asm(fmt, dtype: torch.dtype, planes: bool) -> str:
+def _group_fp16(fmt, dtype: torch.dtype, head_dim: int, planes: bool) -> bool:
+    """Whether the body dequantizes this stream's whole tiles of channel groups in fp16, by plane
+    (`decode._group_planes`): per-token groups of 2- or 4-bit codes of a 16-bit model (`dtype`: the query's), each
+    plane at least 16 wide (an operand of products) and a group whole planes wide."""
+    if fmt.kind != "uniform" or planes or fmt.token_group != 1 or fmt.bits >= 8:
+        return False
+    per = 8 // fmt.bits
+    return (dtype in (torch.float16, torch.bfloat16) and head_dim // per >= 16
+            and (fmt.channel_group or head_dim) % per == 0)
+
+
+def _plane_asm(fmt, dtype: torch.dtype, head_dim: int, planes: bool) -> str:
     """The PTX `decode._planes` splits a stream's bit planes with (`decode.plane_asm`), or "" (Triton's own integer
-    operations): planes read with a magic offset (`_magic_offset`), on the GPU, with `TUNING["plane_asm"]`."""
+    operations): planes read with a magic offset (`_magic_offset`), and grouped tiles dequantized in fp16
+    (`_group_fp16`, at 1024), on the GPU, with `TUNING["plane_asm"]`."""
     from . import decode
 
     if fmt.kind != "uniform" or not TUNING["plane_asm"] or backend.interpreting():
         return ""
-    if not planes:  # whole tiles of groups (`decode._group_dequant`), dequantized in fp16 for a 16-bit model
-        grouped = fmt.token_group == 1 and fmt.bits < 8 and dtype in (torch.float16, torch.bfloat16)
-        return decode.plane_asm(fmt.bits, 1024) if grouped else ""
+    if not planes:
+        return decode.plane_asm(fmt.bits, 1024) if _group_fp16(fmt, dtype, head_dim, planes) else ""
     off = _magic_offset(fmt, dtype)
     return decode.plane_asm(fmt.bits, off) if off else ""
 
@@ -176,8 +187,10 @@ def packed_attention(
         HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1,
         K_PLANES=_planes(keys.fmt, d, keys=True), V_PLANES=_planes(values.fmt, d, keys=False),
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
-        K_ASM=_plane_asm(keys.fmt, pdt, _planes(keys.fmt, d, keys=True)),
-        V_ASM=_plane_asm(values.fmt, pdt, _planes(values.fmt, d, keys=False)),
+        K_ASM=_plane_asm(keys.fmt, pdt, d, _planes(keys.fmt, d, keys=True)),
+        V_ASM=_plane_asm(values.fmt, pdt, d, _planes(values.fmt, d, keys=False)),
+        K_GP=_group_fp16(keys.fmt, query.dtype, d, _planes(keys.fmt, d, keys=True)),
+        V_GP=_group_fp16(values.fmt, query.dtype, d, _planes(values.fmt, d, keys=False)),
         **_fmt_meta(keys, values, d),
     )
     if static is not None:

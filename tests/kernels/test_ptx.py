@@ -112,16 +112,19 @@ def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
     int4_g32 = PackedFormat("uniform", bits=4, channel_group=32)
     kivi_keys = PackedFormat("uniform", bits=2, token_group=32, channel_group=1)
     int8 = PackedFormat("uniform", bits=8)
-    assert pick(int4_g32, torch.bfloat16, planes=False) == decode.plane_asm(4, 1024)
-    assert pick(int4_g32, torch.float16, planes=False) == decode.plane_asm(4, 1024)
-    assert pick(int4_g32, torch.float32, planes=False) == ""
-    assert pick(kivi_keys, torch.bfloat16, planes=True) == decode.plane_asm(2, 128)
-    assert pick(kivi_keys, torch.bfloat16, planes=False) == ""  # per-channel blocks are read by planes only
-    assert pick(int8, torch.float16, planes=True) == decode.plane_asm(8, 1024)
-    assert pick(int8, torch.bfloat16, planes=True) == ""  # 8-bit codes pass bf16's 128
-    assert pick(PackedFormat("fp8-e4m3"), torch.float16, planes=False) == ""
+    assert pick(int4_g32, torch.bfloat16, 128, planes=False) == decode.plane_asm(4, 1024)
+    assert pick(int4_g32, torch.float16, 128, planes=False) == decode.plane_asm(4, 1024)
+    assert pick(int4_g32, torch.float32, 128, planes=False) == ""
+    int2_g8 = PackedFormat("uniform", bits=2, channel_group=8)
+    assert pick(int2_g8, torch.bfloat16, 64, planes=False) == decode.plane_asm(2, 1024)
+    assert pick(int2_g8, torch.bfloat16, 32, planes=False) == ""  # planes 8 wide: too narrow for a product
+    assert pick(kivi_keys, torch.bfloat16, 128, planes=True) == decode.plane_asm(2, 128)
+    assert pick(kivi_keys, torch.bfloat16, 128, planes=False) == ""  # per-channel blocks are read by planes only
+    assert pick(int8, torch.float16, 128, planes=True) == decode.plane_asm(8, 1024)
+    assert pick(int8, torch.bfloat16, 128, planes=True) == ""  # 8-bit codes pass bf16's 128
+    assert pick(PackedFormat("fp8-e4m3"), torch.float16, 128, planes=False) == ""
     monkeypatch.setitem(ops.TUNING, "plane_asm", False)
-    assert pick(int4_g32, torch.bfloat16, planes=False) == ""
+    assert pick(int4_g32, torch.bfloat16, 128, planes=False) == ""
     monkeypatch.setattr(decode_launch.backend, "interpreting", lambda: True)
     monkeypatch.setitem(ops.TUNING, "plane_asm", True)
-    assert pick(int4_g32, torch.bfloat16, planes=False) == ""
+    assert pick(int4_g32, torch.bfloat16, 128, planes=False) == ""
