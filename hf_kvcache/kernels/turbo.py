@@ -93,7 +93,7 @@ def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS
         ch = tl.arange(0, W)[None, :]
         row = (tok * s_t)[:, None]
         if BITS == 3:
-            code = _unpack(C, row, ch, ok[:, None], 2) | (_unpack(C + W // 4, row, ch, ok[:, None], 1) << 2)
+            code = _code3(C, row, ch, ok[:, None], W)
         else:
             code = _unpack(C, row, ch, ok[:, None], BITS)
         x = tl.load(CB + code).to(PDT)
@@ -119,6 +119,42 @@ def _half_planes(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM
         x2 = tl.load(CB + _unpack(C, row, ch + 2, ok[:, None], 4)).to(PDT)
         x3 = tl.load(CB + _unpack(C, row, ch + 3, ok[:, None], 4)).to(PDT)
     return x0, x1, x2, x3
+
+
+@triton.jit
+def _code3(C, row, ch, ok, W: tl.constexpr):
+    """3-bit codes of channels `ch` (the 2-bit plane, then the top bits W / 4 bytes on), as int32."""
+    return _unpack(C, row, ch, ok, 2) | (_unpack(C + W // 4, row, ch, ok, 1) << 2)
+
+
+@triton.jit
+def _eighth_planes(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr,
+                   PDT: tl.constexpr):
+    """codebook[code] of a 3-bit part as 8 planes: plane k (BLOCK_N, W / 8) holds channels 8j + k, straight from the
+    lookup (`lookup_asm_eighths`: the 2-bit plane read as 16-bit halves, 8 channels each, beside their top-bit bytes,
+    two of each a lookup, so that each output register holds a pair of neighbours along j, as a product's operand
+    does)."""
+    jj = tl.arange(0, W // 8)
+    if LOOKUP == 2:
+        ptr = C.to(tl.pointer_type(tl.int16))
+        h = tl.load(ptr + (tok * (s_t // 2))[:, None] + jj[None, :], mask=ok[:, None], other=0)
+        top = tl.load(C + W // 4 + (tok * s_t)[:, None] + jj[None, :], mask=ok[:, None], other=0).to(tl.int16)
+        o = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [h, top],
+                                      dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                                             tl.float16, tl.float16), is_pure=True, pack=2)
+        x0, x1, x2, x3, x4, x5, x6, x7 = o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]
+    else:
+        ch = 8 * jj[None, :]
+        row = (tok * s_t)[:, None]
+        x0 = tl.load(CB + _code3(C, row, ch, ok[:, None], W)).to(PDT)
+        x1 = tl.load(CB + _code3(C, row, ch + 1, ok[:, None], W)).to(PDT)
+        x2 = tl.load(CB + _code3(C, row, ch + 2, ok[:, None], W)).to(PDT)
+        x3 = tl.load(CB + _code3(C, row, ch + 3, ok[:, None], W)).to(PDT)
+        x4 = tl.load(CB + _code3(C, row, ch + 4, ok[:, None], W)).to(PDT)
+        x5 = tl.load(CB + _code3(C, row, ch + 5, ok[:, None], W)).to(PDT)
+        x6 = tl.load(CB + _code3(C, row, ch + 6, ok[:, None], W)).to(PDT)
+        x7 = tl.load(CB + _code3(C, row, ch + 7, ok[:, None], W)).to(PDT)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -184,7 +220,7 @@ def _turbo_attn(
     V_TWO: tl.constexpr, V_WA: tl.constexpr, V_BA: tl.constexpr, V_BB: tl.constexpr,
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
-    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False, K_ASM_H: tl.constexpr = "",
+    K_PLANES: tl.constexpr = 0, V_PLANES: tl.constexpr = 0, K_ASM_H: tl.constexpr = "",
     V_ASM_H: tl.constexpr = "",
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
@@ -254,17 +290,30 @@ def _turbo_attn(
         vnb = VNB + b * svnb_b + h * svnb_h
         acc_a = tl.zeros((BLOCK_M, V_WA), tl.float32)
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
-        if V_PLANES:  # one 4-bit part: the weighted sums by plane of halves (channels 4j + i), see `_half_planes`
-            a0 = tl.zeros((BLOCK_M, D // 4), tl.float32)
+        if V_PLANES:  # one 4- or 3-bit part: the weighted sums by plane (channels V_PLANES * j + i)
+            a0 = tl.zeros((BLOCK_M, D // V_PLANES), tl.float32)
             a1 = a0
             a2 = a0
             a3 = a0
-        if K_PLANES:  # one 4-bit part: the query by plane of halves (channels 4j + i), see `_half_planes`
-            jq = tl.arange(0, D // 4)
-            q0 = (_q_plane(Q, qoff, row_ok, jq, 0, 4) * q_pow2).to(PDT)
-            q1 = (_q_plane(Q, qoff, row_ok, jq, 1, 4) * q_pow2).to(PDT)
-            q2 = (_q_plane(Q, qoff, row_ok, jq, 2, 4) * q_pow2).to(PDT)
-            q3 = (_q_plane(Q, qoff, row_ok, jq, 3, 4) * q_pow2).to(PDT)
+            a4 = a0
+            a5 = a0
+            a6 = a0
+            a7 = a0
+        if K_PLANES:  # one 4- or 3-bit part: the query by plane (channels K_PLANES * j + i)
+            jq = tl.arange(0, D // K_PLANES)
+            q0 = (_q_plane(Q, qoff, row_ok, jq, 0, K_PLANES) * q_pow2).to(PDT)
+            q1 = (_q_plane(Q, qoff, row_ok, jq, 1, K_PLANES) * q_pow2).to(PDT)
+            q2 = (_q_plane(Q, qoff, row_ok, jq, 2, K_PLANES) * q_pow2).to(PDT)
+            q3 = (_q_plane(Q, qoff, row_ok, jq, 3, K_PLANES) * q_pow2).to(PDT)
+            q4 = q0
+            q5 = q0
+            q6 = q0
+            q7 = q0
+            if K_PLANES == 8:
+                q4 = (_q_plane(Q, qoff, row_ok, jq, 4, 8) * q_pow2).to(PDT)
+                q5 = (_q_plane(Q, qoff, row_ok, jq, 5, 8) * q_pow2).to(PDT)
+                q6 = (_q_plane(Q, qoff, row_ok, jq, 6, 8) * q_pow2).to(PDT)
+                q7 = (_q_plane(Q, qoff, row_ok, jq, 7, 8) * q_pow2).to(PDT)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
         # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a
@@ -289,13 +338,24 @@ def _turbo_attn(
             if HAS_MASK and MASK_ROW and MASK_AHEAD:
                 allowed_nx = tl.load(mask_row + nxt * sm_s, mask=nxt < n_body, other=0)
             # ---- scores: per part, the bare centroids' products times the part's lengths
-            if K_PLANES:
+            if K_PLANES == 4:
                 # one accumulator through the four products (the tensor cores add them)
                 k0, k1, k2, k3 = _half_planes(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_H, PDT)
                 s = _dot(q0, tl.trans(k0), PREC)
                 s = _dot_into(s, q1, tl.trans(k1), PREC)
                 s = _dot_into(s, q2, tl.trans(k2), PREC)
                 s = _dot_into(s, q3, tl.trans(k3), PREC)
+                s = s * (ka_len * unit)[None, :]
+            elif K_PLANES == 8:
+                k0, k1, k2, k3, k4, k5, k6, k7 = _eighth_planes(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_H, PDT)
+                s = _dot(q0, tl.trans(k0), PREC)
+                s = _dot_into(s, q1, tl.trans(k1), PREC)
+                s = _dot_into(s, q2, tl.trans(k2), PREC)
+                s = _dot_into(s, q3, tl.trans(k3), PREC)
+                s = _dot_into(s, q4, tl.trans(k4), PREC)
+                s = _dot_into(s, q5, tl.trans(k5), PREC)
+                s = _dot_into(s, q6, tl.trans(k6), PREC)
+                s = _dot_into(s, q7, tl.trans(k7), PREC)
                 s = s * (ka_len * unit)[None, :]
             else:
                 kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
@@ -320,13 +380,24 @@ def _turbo_attn(
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
             # range), then the bare centroids
-            if V_PLANES:
+            if V_PLANES == 4:
                 pv = (p * va_len[None, :]).to(PDT)
                 v0, v1, v2, v3 = _half_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
                 a0 = _dot_into(a0 * alpha[:, None], pv, v0, PREC)
                 a1 = _dot_into(a1 * alpha[:, None], pv, v1, PREC)
                 a2 = _dot_into(a2 * alpha[:, None], pv, v2, PREC)
                 a3 = _dot_into(a3 * alpha[:, None], pv, v3, PREC)
+            elif V_PLANES == 8:
+                pv = (p * va_len[None, :]).to(PDT)
+                v0, v1, v2, v3, v4, v5, v6, v7 = _eighth_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
+                a0 = _dot_into(a0 * alpha[:, None], pv, v0, PREC)
+                a1 = _dot_into(a1 * alpha[:, None], pv, v1, PREC)
+                a2 = _dot_into(a2 * alpha[:, None], pv, v2, PREC)
+                a3 = _dot_into(a3 * alpha[:, None], pv, v3, PREC)
+                a4 = _dot_into(a4 * alpha[:, None], pv, v4, PREC)
+                a5 = _dot_into(a5 * alpha[:, None], pv, v5, PREC)
+                a6 = _dot_into(a6 * alpha[:, None], pv, v6, PREC)
+                a7 = _dot_into(a7 * alpha[:, None], pv, v7, PREC)
             else:
                 vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
                 acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
@@ -335,11 +406,16 @@ def _turbo_attn(
                 acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
         if V_PLANES:
-            jh = 4 * tl.arange(0, D // 4)
+            jh = V_PLANES * tl.arange(0, D // V_PLANES)
             tl.store(ptr + jh[None, :], a0)
             tl.store(ptr + (jh + 1)[None, :], a1)
             tl.store(ptr + (jh + 2)[None, :], a2)
             tl.store(ptr + (jh + 3)[None, :], a3)
+            if V_PLANES == 8:
+                tl.store(ptr + (jh + 4)[None, :], a4)
+                tl.store(ptr + (jh + 5)[None, :], a5)
+                tl.store(ptr + (jh + 6)[None, :], a6)
+                tl.store(ptr + (jh + 7)[None, :], a7)
         else:
             tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
         if V_TWO:
@@ -420,6 +496,39 @@ def lookup_asm_halves(halves: list[int]) -> str:
             "prmt.b32 r_l, r_tl0, r_tl1, r_m; prmt.b32 r_h, r_th0, r_th1, r_m; shl.b32 r_w4, r_s, 4;",
             f"prmt.b32 r_p, r_l, r_h, 0x6240; prmt.b32 r_g, r_w4, 0, 0x1404; lop3.b32 ${k}, r_p, r_g, r_sgn, 0xD2;",
             f"prmt.b32 r_p, r_l, r_h, 0x7351; prmt.b32 r_g, r_s, 0, 0x1404; lop3.b32 ${k + 1}, r_p, r_g, r_sgn, 0xD2;",
+        ]
+    return "\n".join(lines + ["}"])
+
+
+def lookup_asm_eighths(halves: list[int]) -> str:
+    """The PTX of `_eighth_planes` for a 3-bit codebook (`halves`: its 8 entries as fp16 bit patterns, code order):
+    inputs `$8` two 16-bit halves of the 2-bit plane (channels 8j .. 8j + 7 and 8j' .. 8j' + 7, code bits 2c..2c+1 of
+    channel c) and `$9` their two top-bit bytes as 16-bit halves (bit c: channel c's third bit), outputs `$0`..`$7`
+    plane k's centroids of both (j's in the low 16 bits). For each pair of planes (k, k + 2) a `prmt` gathers their
+    four 2-bit codes onto one selector, a `lop3` ors in their top bits (shifted onto bit 2 of each nibble), and the
+    8-entry tables of low and high bytes give the centroids, which two more `prmt` pair."""
+    if len(halves) != 8:
+        raise ValueError("a 3-bit codebook has 8 entries")
+    lo0, lo1, hi0, hi1 = _table_words(halves)
+    lines = [
+        "{", ".reg .b32 r_a, r_b, r_t, r_s, r_y, r_l, r_h, r_tl0, r_tl1, r_th0, r_th1;",
+        ".reg .b32 r_u1, r_u2, r_u3, r_u4, r_d1, r_d2, r_d3;",
+        f"mov.b32 r_tl0, {lo0:#x}; mov.b32 r_tl1, {lo1:#x}; mov.b32 r_th0, {hi0:#x}; mov.b32 r_th1, {hi1:#x};",
+        # byte k of a: channels 4k (low nibble) and 4k + 2 (high nibble); of b: 4k + 1 and 4k + 3
+        "and.b32 r_a, $8, 0x33333333; shr.b32 r_b, $8, 2; and.b32 r_b, r_b, 0x33333333;",
+        # the top bits of both halves in bits 0-7 (j) and 8-15 (j'), and each shift that lands one on a nibble's bit 2
+        "prmt.b32 r_t, $9, 0, 0x4420;",
+        "shl.b32 r_u1, r_t, 1; shl.b32 r_u2, r_t, 2; shl.b32 r_u3, r_t, 3; shl.b32 r_u4, r_t, 4;",
+        "shr.b32 r_d1, r_t, 1; shr.b32 r_d2, r_t, 2; shr.b32 r_d3, r_t, 3;",
+    ]
+    # (planes k, k + 2; codes from; bytes gathered; the top bits' shifts for nibbles 0, 2 (j's, j''s plane k) and 1, 3)
+    for k, src, gather, even, odd in ((0, "r_a", "0x4420", "r_u2", "r_u4"), (4, "r_a", "0x4431", "r_d2", "r_t"),
+                                      (1, "r_b", "0x4420", "r_u1", "r_u3"), (5, "r_b", "0x4431", "r_d3", "r_d1")):
+        lines += [
+            f"prmt.b32 r_s, {src}, 0, {gather}; lop3.b32 r_y, {even}, {odd}, 0x0F0F, 0xE4;",
+            "lop3.b32 r_s, r_s, r_y, 0x4444, 0xF8;",  # selector nibbles: k of j, k + 2 of j, k of j', k + 2 of j'
+            "prmt.b32 r_l, r_tl0, r_tl1, r_s; prmt.b32 r_h, r_th0, r_th1, r_s;",
+            f"prmt.b32 ${k}, r_l, r_h, 0x6240; prmt.b32 ${k + 2}, r_l, r_h, 0x7351;",
         ]
     return "\n".join(lines + ["}"])
 

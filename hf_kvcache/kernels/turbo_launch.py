@@ -70,18 +70,25 @@ def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[tor
 
 
 @functools.lru_cache(maxsize=64)
-def _halves_asm(levels: tuple[float, ...]) -> str:
-    """`turbo.lookup_asm_halves` of a 4-bit codebook, from its numbers (`CodebookPart.levels`: no tensor is read)."""
+def _planes_asm(bits: int, levels: tuple[float, ...]) -> str:
+    """The register lookup by plane of a codebook, from its numbers (`CodebookPart.levels`: no tensor is read):
+    `turbo.lookup_asm_halves` (4 bits), `turbo.lookup_asm_eighths` (3 bits)."""
     from . import turbo
 
-    halves = torch.tensor(levels, dtype=torch.float32).to(torch.float16).view(torch.int16).tolist()
-    return turbo.lookup_asm_halves([int(v) & 0xFFFF for v in halves])
+    halves = [int(v) & 0xFFFF for v in torch.tensor(levels, dtype=torch.float32).to(torch.float16).view(torch.int16)
+              .tolist()]
+    return turbo.lookup_asm_halves(halves) if bits == 4 else turbo.lookup_asm_eighths(halves)
 
 
-def _by_planes(fmt, head_dim: int) -> bool:
-    """Whether the body multiplies this stream by plane (`turbo._half_planes`): one 4-bit part of every channel, at
-    least 128 of them (the values' four products D / 4 wide are then split over 4 warps without copies)."""
-    return len(fmt.parts) == 1 and fmt.parts[0].bits == 4 and head_dim % 128 == 0
+def _planes_of(fmt, head_dim: int, keys: bool) -> int:
+    """How many planes the body multiplies this stream by (`turbo._half_planes`: 4, `turbo._eighth_planes`: 8), or
+    0: one part of every channel, at least 128 of them, of 4 bits (the values' four products D / 4 wide then split
+    over 4 warps without copies), or of 3 bits for the keys. The values' eight products of 3-bit planes, 16 wide,
+    were copied on every warp and spilled (`turboquant-3.5`: 48.9 -> 156.5 warp instructions a held token for
+    sm_90, `hf-kvcache bench --parts sass`, 2026-12-05)."""
+    if len(fmt.parts) != 1 or head_dim % 128 or not TUNING["turbo_planes"]:
+        return 0
+    return {4: 4, 3: 8 if keys else 0}.get(fmt.parts[0].bits, 0)
 
 
 @on_input_device
@@ -142,6 +149,8 @@ def turbo_attention(
         *_mask_args(attention_mask, k_new), part_acc, part_m, part_l, *_length_args(static, k_new),
         hkv, tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, m_tiles, float(scaling), float(softcap or 0.0),
     ]
+    k_planes, v_planes = _planes_of(kf, d, keys=True), _planes_of(vf, d, keys=False)
+    registers = lookup == turbo.LOOKUP_REGISTERS
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_N=16, DT=dt,
         PDT=turbo.tl.float16 if pdt == torch.float16 else dt,
@@ -150,9 +159,9 @@ def turbo_attention(
         K_TWO=len(kf.parts) == 2, K_WA=k_meta[0][0], K_BA=k_meta[0][1], K_BB=k_meta[1][1],
         V_TWO=len(vf.parts) == 2, V_WA=v_meta[0][0], V_BA=v_meta[0][1], V_BB=v_meta[1][1],
         K_ASM_A=k_meta[0][2], K_ASM_B=k_meta[1][2], V_ASM_A=v_meta[0][2], V_ASM_B=v_meta[1][2], **ring,
-        K_PLANES=TUNING["turbo_planes"] and _by_planes(kf, d), V_PLANES=TUNING["turbo_planes"] and _by_planes(vf, d),
-        K_ASM_H=_halves_asm(kf.parts[0].levels) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(kf, d) else "",
-        V_ASM_H=_halves_asm(vf.parts[0].levels) if lookup == turbo.LOOKUP_REGISTERS and _by_planes(vf, d) else "",
+        K_PLANES=k_planes, V_PLANES=v_planes,
+        K_ASM_H=_planes_asm(kf.parts[0].bits, kf.parts[0].levels) if registers and k_planes else "",
+        V_ASM_H=_planes_asm(vf.parts[0].bits, vf.parts[0].levels) if registers and v_planes else "",
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}

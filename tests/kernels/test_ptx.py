@@ -128,3 +128,20 @@ def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
     monkeypatch.setattr(decode_launch.backend, "interpreting", lambda: True)
     monkeypatch.setitem(ops.TUNING, "plane_asm", True)
     assert pick(int4_g32, torch.bfloat16, 128, planes=False) == ""
+
+
+def test_the_turbo_eighth_lookup_decodes_every_code():
+    """`turbo.lookup_asm_eighths`: two 16-bit halves of a 3-bit part's 2-bit plane and their top-bit bytes -> each
+    plane k's centroids (channels 8j + k) of both halves, the first half's in the low 16 bits."""
+    book = lloyd_max_codebook(128, 3)
+    halves = _halves(book)
+    asm = turbo.lookup_asm_eighths(halves)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(256):
+        codes = torch.randint(0, 8, (16,), dtype=torch.uint8, generator=gen)  # two halves, channels 8j + k
+        data = pack_codes(codes, 3).numpy().tobytes()  # the 2-bit plane (4 bytes), then the top bits (2 bytes)
+        got = ptx.run(asm, 8, [_word(data, 0), data[4] | data[5] << 16])
+        codes = codes.view(2, 8).tolist()
+        assert got == [halves[codes[0][k]] | halves[codes[1][k]] << 16 for k in range(8)], codes
+    with pytest.raises(ValueError, match="8 entries"):
+        turbo.lookup_asm_eighths(halves[:4])

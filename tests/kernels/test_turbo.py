@@ -69,24 +69,28 @@ def test_qjl_keys_and_static_windows_of_two_lengths_go_to_the_reference():
 
 
 @pytest.mark.parametrize("planes", [True, False], ids=["planes", "tile"])
-def test_4_bit_streams_read_by_planes(planes, monkeypatch):
-    """head_dim 128 at 4 bits: both streams' products by plane (channels 4j + i, `turbo._half_planes`) or as one tile,
-    against the reference, a decode step and a chunk of queries; 3-bit streams are never read by planes."""
+def test_4_and_3_bit_streams_read_by_planes(planes, monkeypatch):
+    """head_dim 128, one part of 4 bits, or of 3 bits for the keys: the stream's products by plane (channels 4j + i,
+    `turbo._half_planes`; 8j + i, `turbo._eighth_planes`) or as one tile, against the reference, decode steps and
+    chunks of queries; 3-bit values and streams of two parts are never read by planes."""
     from hf_kvcache.kernels import turbo, turbo_launch
 
     monkeypatch.setitem(ops.TUNING, "turbo_planes", planes)
     launched = []
     run = turbo._turbo_attn.run
     monkeypatch.setattr(turbo._turbo_attn, "run", lambda *a, **kw: launched.append(kw) or run(*a, **kw))
-    _compare("turboquant-4", {}, batch=1, heads=4, kv_heads=1, head_dim=128, steps=(300, 1))
-    _compare("turboquant-4", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(290, 9))
-    body = [kw for kw in launched if kw["BODY"]]
-    assert body and all(kw["K_PLANES"] == kw["V_PLANES"] == planes for kw in body)
-    cache, _ = _filled_layer("turboquant-3.5", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(2, 1),
+    for spec, want in (("turboquant-4", (4, 4)), ("turboquant-3.5", (4, 0)), ("turboquant-2.75", (8, 0))):
+        launched.clear()
+        _compare(spec, {}, batch=1, heads=4, kv_heads=1, head_dim=128, steps=(300, 1))
+        _compare(spec, {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(290, 9))
+        body = [kw for kw in launched if kw["BODY"]]
+        assert body and all((kw["K_PLANES"], kw["V_PLANES"]) == (want if planes else (0, 0)) for kw in body), spec
+    monkeypatch.setitem(ops.TUNING, "turbo_planes", True)
+    cache, _ = _filled_layer("turboquant-3", {}, batch=1, heads=2, kv_heads=1, head_dim=128, steps=(2, 1),
                              dtype=torch.float32)
     layer = cache.layers[0]
-    assert turbo_launch._by_planes(layer.key_stream.kernel_view().fmt, 128)  # 4-bit keys
-    assert not turbo_launch._by_planes(layer.value_stream.kernel_view().fmt, 128)  # 3-bit values
+    assert turbo_launch._planes_of(layer.key_stream.kernel_view().fmt, 128, keys=True) == 0  # 3.5 bits: two parts
+    assert turbo_launch._planes_of(layer.value_stream.kernel_view().fmt, 128, keys=False) == 0  # 2.5 bits
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
