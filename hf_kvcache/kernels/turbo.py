@@ -30,7 +30,10 @@ lookup (`lookup_asm_halves`) turns two halves into plane i's centroids of both (
 the operand of its own product (the query's channels 4j + i; the weighted sums stored to them), in the layout the codes
 were read in: Triton then reads the codes from shared memory straight into the products' layout, with no tile joined
 from the lookup's outputs and sent through shared memory again (51.9 -> 38.5 warp instructions a held token of
-`turboquant-4` for sm_90, `hf-kvcache bench --parts sass`, BENCHMARKS.md 2026-12-05).
+`turboquant-4` for sm_90, `hf-kvcache bench --parts sass`, BENCHMARKS.md 2026-12-05). A key stream of one 3-bit part
+(`turboquant-2.75`) goes by 8 planes (channels 8j + i, `lookup_asm_eighths`: the 2-bit plane's 16-bit halves beside
+their top-bit bytes; 57.9 -> 51.6); 3-bit values stay one tile, as their eight products 16 wide were copied on every
+warp and spilled.
 """
 
 from __future__ import annotations
