@@ -283,9 +283,14 @@ def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: 
                   OFF: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr):
     """sum over planes of q_P . (code_P - CENTER): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys, in
     one accumulator."""
-    PER: tl.constexpr = 8 // BITS
     byte = tl.load(kc + tok[:, None] * skc_t + jk[None, :])
     x0, x1, x2, x3 = _planes(byte, BITS, DT, OFF, CENTER, ASM)
+    return _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, 8 // BITS, PREC)
+
+
+@triton.jit
+def _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr):
+    """sum over the PER planes of q_P . x_P^T: raw scores (BLOCK_M, BLOCK_N) in one accumulator."""
     s = _dot(q0, tl.trans(x0), PREC)
     if PER > 1:
         s = _dot_into(s, q1, tl.trans(x1), PREC)
@@ -621,13 +626,7 @@ def _attn_fwd(
             elif K_GP:
                 # the fp16 planes of the dequantized tile, each times its query plane
                 x0, x1, x2, x3 = _group_planes(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM, K_ASM)
-                s = _dot(q0, tl.trans(x0), PREC)
-                if KPER > 1:
-                    s = _dot_into(s, q1, tl.trans(x1), PREC)
-                if KPER > 2:
-                    s = _dot_into(s, q2, tl.trans(x2), PREC)
-                    s = _dot_into(s, q3, tl.trans(x3), PREC)
-                s = s / q_pow2
+                s = _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, KPER, PREC) / q_pow2
             else:
                 kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
                 s = _dot(qd, tl.trans(kt.to(DT)), PREC)
