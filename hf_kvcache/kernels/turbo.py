@@ -293,15 +293,11 @@ def _turbo_attn(
         vnb = VNB + b * svnb_b + h * svnb_h
         acc_a = tl.zeros((BLOCK_M, V_WA), tl.float32)
         acc_b = tl.zeros((BLOCK_M, V_WB), tl.float32)
-        if V_PLANES:  # one 4- or 3-bit part: the weighted sums by plane (channels V_PLANES * j + i)
-            a0 = tl.zeros((BLOCK_M, D // V_PLANES), tl.float32)
+        if V_PLANES:  # one 4-bit part: the weighted sums by plane of halves (channels 4j + i), see `_half_planes`
+            a0 = tl.zeros((BLOCK_M, D // 4), tl.float32)
             a1 = a0
             a2 = a0
             a3 = a0
-            a4 = a0
-            a5 = a0
-            a6 = a0
-            a7 = a0
         if K_PLANES:  # one 4- or 3-bit part: the query by plane (channels K_PLANES * j + i)
             jq = tl.arange(0, D // K_PLANES)
             q0 = (_q_plane(Q, qoff, row_ok, jq, 0, K_PLANES) * q_pow2).to(PDT)
@@ -383,24 +379,13 @@ def _turbo_attn(
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
             # range), then the bare centroids
-            if V_PLANES == 4:
+            if V_PLANES:
                 pv = (p * va_len[None, :]).to(PDT)
                 v0, v1, v2, v3 = _half_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
                 a0 = _dot_into(a0 * alpha[:, None], pv, v0, PREC)
                 a1 = _dot_into(a1 * alpha[:, None], pv, v1, PREC)
                 a2 = _dot_into(a2 * alpha[:, None], pv, v2, PREC)
                 a3 = _dot_into(a3 * alpha[:, None], pv, v3, PREC)
-            elif V_PLANES == 8:
-                pv = (p * va_len[None, :]).to(PDT)
-                v0, v1, v2, v3, v4, v5, v6, v7 = _eighth_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
-                a0 = _dot_into(a0 * alpha[:, None], pv, v0, PREC)
-                a1 = _dot_into(a1 * alpha[:, None], pv, v1, PREC)
-                a2 = _dot_into(a2 * alpha[:, None], pv, v2, PREC)
-                a3 = _dot_into(a3 * alpha[:, None], pv, v3, PREC)
-                a4 = _dot_into(a4 * alpha[:, None], pv, v4, PREC)
-                a5 = _dot_into(a5 * alpha[:, None], pv, v5, PREC)
-                a6 = _dot_into(a6 * alpha[:, None], pv, v6, PREC)
-                a7 = _dot_into(a7 * alpha[:, None], pv, v7, PREC)
             else:
                 vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
                 acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
@@ -409,16 +394,11 @@ def _turbo_attn(
                 acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
         if V_PLANES:
-            jh = V_PLANES * tl.arange(0, D // V_PLANES)
+            jh = 4 * tl.arange(0, D // 4)
             tl.store(ptr + jh[None, :], a0)
             tl.store(ptr + (jh + 1)[None, :], a1)
             tl.store(ptr + (jh + 2)[None, :], a2)
             tl.store(ptr + (jh + 3)[None, :], a3)
-            if V_PLANES == 8:
-                tl.store(ptr + (jh + 4)[None, :], a4)
-                tl.store(ptr + (jh + 5)[None, :], a5)
-                tl.store(ptr + (jh + 6)[None, :], a6)
-                tl.store(ptr + (jh + 7)[None, :], a7)
         else:
             tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
         if V_TWO:
