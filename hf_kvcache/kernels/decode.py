@@ -289,6 +289,19 @@ def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: 
 
 
 @triton.jit
+def _planes_into(acc0, acc1, acc2, acc3, alpha, p, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr):
+    """The running weighted sums of the PER planes (accumulator P: output channels PER*j + P), each rescaled by the
+    softmax step's `alpha` and added p . x_P; the accumulators past PER are returned as given."""
+    acc0 = _dot_into(acc0 * alpha[:, None], p, x0, PREC)
+    if PER > 1:
+        acc1 = _dot_into(acc1 * alpha[:, None], p, x1, PREC)
+    if PER > 2:
+        acc2 = _dot_into(acc2 * alpha[:, None], p, x2, PREC)
+        acc3 = _dot_into(acc3 * alpha[:, None], p, x3, PREC)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr):
     """sum over the PER planes of q_P . x_P^T: raw scores (BLOCK_M, BLOCK_N) in one accumulator."""
     s = _dot(q0, tl.trans(x0), PREC)
@@ -661,22 +674,12 @@ def _attn_fwd(
                     extra = extra * alpha + tl.sum(p * (vz_t + V_CTR * v0)[None, :], 1)
                 x0, x1, x2, x3 = _planes(tl.load(vc + tok[:, None] * svc_t + jv[None, :]), V_BITS, PDT, V_OFF, V_CTR,
                                          V_ASM)
-                acc0 = _dot_into(acc0 * alpha[:, None], ps, x0, PREC)
-                if VPER > 1:
-                    acc1 = _dot_into(acc1 * alpha[:, None], ps, x1, PREC)
-                if VPER > 2:
-                    acc2 = _dot_into(acc2 * alpha[:, None], ps, x2, PREC)
-                    acc3 = _dot_into(acc3 * alpha[:, None], ps, x3, PREC)
+                acc0, acc1, acc2, acc3 = _planes_into(acc0, acc1, acc2, acc3, alpha, ps, x0, x1, x2, x3, VPER, PREC)
             elif V_GP:
                 # each fp16 plane of the dequantized tile into its own accumulator (output channels PER*j + P)
                 x0, x1, x2, x3 = _group_planes(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM, V_ASM)
-                pg = p.to(tl.float16)
-                acc0 = _dot_into(acc0 * alpha[:, None], pg, x0, PREC)
-                if VPER > 1:
-                    acc1 = _dot_into(acc1 * alpha[:, None], pg, x1, PREC)
-                if VPER > 2:
-                    acc2 = _dot_into(acc2 * alpha[:, None], pg, x2, PREC)
-                    acc3 = _dot_into(acc3 * alpha[:, None], pg, x3, PREC)
+                acc0, acc1, acc2, acc3 = _planes_into(acc0, acc1, acc2, acc3, alpha, p.to(tl.float16), x0, x1, x2, x3,
+                                                      VPER, PREC)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
                 acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)

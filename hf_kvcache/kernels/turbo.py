@@ -41,7 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _dot, _dot_into, _finish_scores, _mask_scores, _q_plane, _softmax_step, _static_places, _unpack
+from .decode import (_dot, _dot_into, _finish_scores, _mask_scores, _planes_into, _q_plane, _softmax_step,
+                     _static_places, _unpack)
 
 LOOKUP_LOAD = 1
 LOOKUP_REGISTERS = 2
@@ -382,10 +383,7 @@ def _turbo_attn(
             if V_PLANES:
                 pv = (p * va_len[None, :]).to(PDT)
                 v0, v1, v2, v3 = _half_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
-                a0 = _dot_into(a0 * alpha[:, None], pv, v0, PREC)
-                a1 = _dot_into(a1 * alpha[:, None], pv, v1, PREC)
-                a2 = _dot_into(a2 * alpha[:, None], pv, v2, PREC)
-                a3 = _dot_into(a3 * alpha[:, None], pv, v3, PREC)
+                a0, a1, a2, a3 = _planes_into(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, 4, PREC)
             else:
                 vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
                 acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
