@@ -45,31 +45,33 @@ def test_the_compile_census_finds_each_kernel_variant_once_and_none_for_another_
     `turboquant-3` launches (its three bit widths, a prompt in chunks, decode steps at every alignment, two next
     turns), each kernel once per variant it needs: the pack kernel once per bit width, not once more per class of the
     write's length (12 variants at the 8B heads before the storage padded its fields), and a fresh cache with a
-    prompt of another length compiles nothing more."""
+    prompt of another length, or one so short that nothing is packed yet, compiles nothing more."""
     from hf_kvcache.bench.compiles import _census_in_fresh_process
 
     found = _census_in_fresh_process("turboquant-3", 64, 90)
     calls = found["calls"]
     assert found["warm_up"] is None
     assert [(c["call"], c["error"]) for c in calls] == [("prompt", None), ("turn", None), ("turn", None),
-                                                         ("prompt", None)]
+                                                         ("prompt", None), ("prompt", None)]
     every = [x for c in calls for x in c["compiles"]]
     assert every and not [x for x in every if x["error"]]
     packs = [x["variant"] for x in every if x["kernel"] == "_pack_turbo"]
     assert sorted(v["BA"] for v in packs) == ["constexpr:2", "constexpr:3", "constexpr:4"]
     assert {"_turbo_attn", "_combine", "_gather_codebook"} <= {x["kernel"] for x in every}
-    assert calls[-1]["compiles"] == []
+    assert calls[-1]["compiles"] == calls[-2]["compiles"] == []
 
 
 def test_warm_up_compiles_every_variant_the_calls_launch():
     """`hf_kvcache.warm_up` (its compiles on a pool of threads, for sm_90 here): after it, a prompt in chunks with
-    decode steps, two next turns and a fresh cache compile nothing more."""
+    decode steps, two next turns, a fresh cache, and one whose short prompt leaves KIVI's packed values empty for its
+    decode steps (on the H100 on 2026-12-05 those compiled two more variants, their pointers' dtypes the dummies')
+    compile nothing more."""
     from hf_kvcache.bench.compiles import _census_in_fresh_process
 
     found = _census_in_fresh_process("kivi-2", 64, 90, warm=True)
     assert found["warm_up"]["kernels"] >= 6 and found["warm_up"]["seconds"] > 0
     assert [(c["call"], c["error"], c["compiles"]) for c in found["calls"]] == [
-        ("prompt", None, []), ("turn", None, []), ("turn", None, []), ("prompt", None, [])]
+        ("prompt", None, []), ("turn", None, []), ("turn", None, []), ("prompt", None, []), ("prompt", None, [])]
 
 
 def test_the_tile_loop_is_the_longest_backward_branch():

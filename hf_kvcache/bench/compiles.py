@@ -13,7 +13,8 @@ Each method runs in its own process with an empty Triton cache, on a random mode
 attention shape (32 query and 8 kv heads, head_dim 128; one layer, narrow otherwise) in bf16, under the
 `hf_kvcache` attention. Its calls (`CALLS`): a prompt prefilled in chunks (two whole ones and a part) and decoded a
 few steps, a next turn of a few tokens over it (the chunk kernel) and one of more (the workspace path of
-`hf_kvcache.prefill`), then a fresh cache with a prompt of another length, which should compile nothing more. The
+`hf_kvcache.prefill`), then a fresh cache with a prompt of another length and one with a prompt short enough that
+nothing is packed yet (`SHORT`), which should compile nothing more. The
 outputs are garbage (nothing runs); only which kernels launch matters. With `compile_warm_up` (`--warm-up`),
 `hf_kvcache.warm_up` runs first, its compiles side by side on this host's threads, and the calls after it should
 compile nothing.
@@ -40,6 +41,9 @@ from ._common import BenchConfig
 # (prompt past two chunks, next turns over it): each prompt is two of the part's chunks and this many tokens more,
 # decoded `warmup.NEW_TOKENS` steps; the last call is a fresh cache
 CALLS = ((1000, (7, 100)), (1500, ()))
+# then a fresh cache with a prompt this short: inside every preset's residual window, so its decode steps read a packed
+# place that holds nothing yet, which must launch the kernel variants a filled place launches
+SHORT = 40
 
 
 @contextmanager
@@ -117,10 +121,10 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
             _set_attention(model, attention)
             out["warm_up"] = dict(warm_up(model, cache, batch_size=batch, prefill_chunk_size=chunk or None),
                                   workers=default_workers())
-        for prompt, turns in CALLS:
+        for prompt, turns in [*((2 * chunk + n, turns) for n, turns in CALLS), (SHORT, ())]:
             cache, attention = _make_e2e_cache(spec, model, attention="hf_kvcache")
             _set_attention(model, attention)
-            ids = torch.randint(0, 512, (batch, 2 * chunk + prompt), generator=gen)
+            ids = torch.randint(0, 512, (batch, prompt), generator=gen)
             steps = calls(model, cache, ids, torch.ones_like(ids), chunk or None, turns, gen)
             start = len(compiles)
             try:

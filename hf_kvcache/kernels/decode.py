@@ -732,7 +732,8 @@ def _combine(
     G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr, FRAME: tl.constexpr = False,
     HAS_ORDER: tl.constexpr = False,
 ):
-    """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials. FRAME
+    """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials, NP of them at
+    a time (a fixed block: one kernel variant whatever the split count, which grows with the context). FRAME
     (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame F = P R
     (`layout.CodebookFormat`) and is summed, then rotated back by R^T (z_c = sum_j o'_j R[c, j]) and put back in
     the model's channel order (HAS_ORDER: channel `ORDER[b, h, c]` takes z_c) before the tail's part is added."""
@@ -742,33 +743,37 @@ def _combine(
     r = pid % rows
     b = bh // Hkv
     h = bh % Hkv
-    sp = tl.arange(0, NP)
     d = tl.arange(0, D)
-    ok = sp < n_parts
     base = (bh * rows_pad + r) * n_parts
-    m = tl.load(M_IN + base + sp, mask=ok, other=float("-inf"))
-    lsum = tl.load(L_IN + base + sp, mask=ok, other=0.0)
-    mx = tl.max(m, 0)
+    mx = tl.full((), float("-inf"), tl.float32)
+    for s0 in range(0, n_parts, NP):  # the largest running max first
+        sp = s0 + tl.arange(0, NP)
+        mx = tl.maximum(mx, tl.max(tl.load(M_IN + base + sp, mask=sp < n_parts, other=float("-inf")), 0))
     if HAS_SAUX:
         aux = tl.load(SAUX + h * G + r % G).to(tl.float32) * 1.4426950408889634
         mx = tl.maximum(mx, aux)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(m - mx_safe)
-    total = tl.sum(w * lsum, 0)
+    total = tl.zeros((), tl.float32)
+    out = tl.zeros((D,), tl.float32)
+    for s0 in range(0, n_parts, NP):
+        sp = s0 + tl.arange(0, NP)
+        ok = sp < n_parts
+        w = tl.exp2(tl.load(M_IN + base + sp, mask=ok, other=float("-inf")) - mx_safe)
+        total += tl.sum(w * tl.load(L_IN + base + sp, mask=ok, other=0.0), 0)
+        if FRAME:
+            w = tl.where(sp == n_parts - 1, 0.0, w)  # (the tail's part is added below, in the model's frame)
+        out += tl.sum(tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                      * w[:, None], 0)
     if HAS_SAUX:
         total += tl.exp2(aux - mx_safe)
-    acc = tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     c = d  # the output channel of each lane
     if FRAME:
         if HAS_ORDER:
             c = tl.load(ORDER + b * sor_b + h * sor_h + d).to(tl.int32)
-        tail = sp == n_parts - 1
-        body = tl.sum(acc * tl.where(tail, 0.0, w)[:, None], 0)
         f = tl.load(FV + d[:, None] * sfv_d + d[None, :])  # R[c, j]
         tail_acc = tl.load(ACC + (base + n_parts - 1) * D + c)  # the tail's, in the model's channel order
-        out = tl.sum(f * body[None, :], 1) + tail_acc * tl.sum(tl.where(tail, w, 0.0), 0)
-    else:
-        out = tl.sum(acc * w[:, None], 0)
+        tail_w = tl.exp2(tl.load(M_IN + base + n_parts - 1) - mx_safe)
+        out = tl.sum(f * out[None, :], 1) + tail_acc * tail_w
     out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
     t = r // G
     tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + c, out.to(OUT.dtype.element_ty))

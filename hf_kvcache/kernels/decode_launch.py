@@ -13,6 +13,11 @@ from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _pa
                      _step_counts, on_input_device)
 from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 
+# The split-K partials `decode._combine` reads at a time. A fixed block, not the split count's power of two: the count
+# grows with the context, and each power of two was a kernel variant that a long `generate` compiled on its way
+# (after `warm_up`, whose calls are short).
+COMBINE_PARTS = 16
+
 
 def _fmt_code(kind: str) -> int:
     from . import decode
@@ -90,8 +95,10 @@ def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
     fp8 scale + batch and head strides."""
     f, fmt = st.fields, st.fmt
     fp8 = fmt.kind in SCALED_KINDS
-    if st.n_packed == 0 or not f:
-        # Nothing packed yet: a dummy pointer with the token strides the storage will have (same specialization).
+    if not f:
+        # No packed place yet: a dummy pointer with the token strides the storage will have. A place that holds
+        # nothing yet is passed as it is (`n_packed` 0): its pointers' dtypes are the ones a filled place passes, so
+        # the kernel variant a first step compiles does not depend on whether anything has been packed yet.
         codes = scale = zero = dummy
         row = head_dim if fp8 else head_dim * fmt.bits // 8
         groups = head_dim if fmt.token_group > 1 else head_dim // (fmt.channel_group or head_dim)
@@ -244,6 +251,6 @@ def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_
     decode._combine[(out.shape[0] * hkv * tq * g,)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
         s_aux if s_aux is not None else part_m, *frame_args, hkv, tq, n_parts, rows_pad,
-        G=g, D=out.shape[-1], NP=decode.triton.next_power_of_2(n_parts), HAS_SAUX=s_aux is not None,
+        G=g, D=out.shape[-1], NP=COMBINE_PARTS, HAS_SAUX=s_aux is not None,
         FRAME=frame is not None, HAS_ORDER=has_order, num_warps=4,
     )

@@ -60,7 +60,7 @@ def nuq_attention(
     def packed(st: StreamTensors) -> list:
         """codes + batch, head and token strides, slot indices and values + their strides."""
         row_bytes, slots = d * st.fmt.bits // 8, max(st.fmt.slots, 1)
-        if not body:  # nothing packed is read: dummies with the storage's token strides (one specialization)
+        if not st.fields:  # no packed place yet: dummies with the storage's token strides (`decode_launch._packed_args`)
             return [dummy, 0, 0, row_bytes, dummy, dummy, 0, 0, slots]
         f = st.fields
         codes = f["codes"]
@@ -79,12 +79,12 @@ def nuq_attention(
 
     device = query.device
     rope = kf.inv_freq is not None
-    if rope and body:
+    if rope and keys.fields:
         pos = keys.fields["pos"]  # (B, 1, T)
         pos_args = [pos, pos.stride(0), pos.stride(2)]
     else:
         pos_args = [dummy, 0, 1]
-    if body:
+    if values.fields:
         lo, hi = values.fields["lo"], values.fields["hi"]  # (B, H, T, 1)
         if lo.stride() != hi.stride():
             raise ValueError("the values' lo and hi must share a layout")

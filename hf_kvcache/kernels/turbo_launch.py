@@ -17,13 +17,13 @@ from .launch import (TUNING, _compute_dtype, _length_args, _mask_args, _partials
 from .layout import StaticLayout, StreamTensors
 
 
-def codebook_args(st: StreamTensors, n_body: int, dummy: torch.Tensor, dtype: torch.dtype) -> tuple[list, list]:
+def codebook_args(st: StreamTensors, dummy: torch.Tensor, dtype: torch.dtype) -> tuple[list, list]:
     """A codebook stream's parts as `turbo._turbo_attn` takes them, two (a single part repeats): per part codes +
     strides, norm + strides, the codebook in `dtype`; and each part's `(width, bits, PTX of the register lookup)`."""
     args, meta = [], []
     for part in st.fmt.parts + st.fmt.parts[-1:] * (2 - len(st.fmt.parts)):
         table, asm = _codebook_table(part, dummy.device, dtype)
-        if n_body:
+        if st.fields:  # (the place's own buffers even while they hold nothing: one kernel variant, `_packed_args`)
             codes, norm = st.fields[part.codes], st.fields[part.norm]
             if codes.stride(3) != 1:
                 raise ValueError("codebook codes must be contiguous along the channels")
@@ -135,8 +135,8 @@ def turbo_attention(
     n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles)
     part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
 
-    k_args, k_meta = codebook_args(keys, n_body, k_new, pdt)
-    v_args, v_meta = codebook_args(values, n_body, k_new, pdt)
+    k_args, k_meta = codebook_args(keys, k_new, pdt)
+    v_args, v_meta = codebook_args(values, k_new, pdt)
     if query.stride(3) != 1:
         query = query.contiguous()
     qf = _into_frame(query, kf.frame(device), hkv)

@@ -43,8 +43,8 @@ def gather_codebook(keys: StreamTensors, values: StreamTensors, k_new: torch.Ten
 
     b, hkv, tq, d = k_new.shape
     dt, _ = _compute_dtype(k_new)
-    k_args, k_meta = codebook_args(keys, keys.n_packed, k_new, torch.float32)
-    v_args, v_meta = codebook_args(values, values.n_packed, k_new, torch.float32)
+    k_args, k_meta = codebook_args(keys, k_new, torch.float32)
+    v_args, v_meta = codebook_args(values, k_new, torch.float32)
     workspace._gather_codebook[(b * hkv, -(-n // _BLOCK_T))](
         *k_args, *v_args,
         *_place(keys.sink, k_new), *_place(keys.residual, k_new), *_place(None, k_new),

@@ -70,6 +70,7 @@ def _compare(name, *, bits=3, steps=(150, 1, 1), batch=2, mask=None, dtype=torch
     q = torch.randn(batch, model.config.num_attention_heads, steps[-1], model.config.head_dim, generator=gen)
     q = q.to(DEVICE, dtype)
     d = q.shape[-1]
+    mask = None if mask is None else mask.to(DEVICE)
     with kernels.use_backend("triton"):
         views = layer.key_stream.kernel_view(), layer.value_stream.kernel_view()
         assert ops.supports(*views, q) is None
