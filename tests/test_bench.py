@@ -74,6 +74,22 @@ def test_warm_up_compiles_every_variant_the_calls_launch():
         ("prompt", None, []), ("turn", None, []), ("turn", None, []), ("prompt", None, []), ("prompt", None, [])]
 
 
+def test_tiles_built_from_codes_reach_the_products_as_16_bit_operands():
+    """The tiles of `int4-g32` (grouped fp16 planes) and `turboquant-3` (looked-up codebook tiles) go through
+    `decode._opaque`: compiled for sm_90, every product's operands take the 16-bit layout (kWidth 2, read by
+    ldmatrix) where Triton, following the loads, views and joins back to the codes, gave them the 8-bit one (kWidth
+    4) and ptxas copied each fragment into place before every mma. Triton 3.6: 42.8 -> 32.7 and 60.5 -> 48.1
+    instructions a held token (on the H100 at batch 16 x 32k, 472.4 -> 414.0 and 547.6 -> 506.7 us a layer); Triton
+    3.9 no longer halves the width at a join (`turboquant-3` is 48.2 without the copy) but still follows the bytes
+    (`int4-g32` 42.3)."""
+    from hf_kvcache.bench import BenchConfig, sass_part
+
+    rows = sass_part(BenchConfig(parts=("sass",), methods=("int4-g32", "turboquant-3")), log=lambda line: None)
+    for row, kernel, most in zip(rows, ("_attn_fwd", "_turbo_attn"), (37, 52)):
+        assert row["kernel"] == kernel and row["k_widths"] == [2], row["method"]
+        assert row["opcodes"].get("LDSM", 0) > 0 and row["instructions_per_token"] < most, row["method"]
+
+
 def test_the_tile_loop_is_the_longest_backward_branch():
     """`bench.sass.tile_loop` on hand-written machine code: the longest span from a backward branch's target to the
     branch, predicates dropped; a forward branch is no loop."""

@@ -37,21 +37,39 @@ FMT_EXACT = 4  # the model dtype itself (the `exact` preset): read like fp8 code
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    """Tensor-core product with fp32 accumulation; exact fp32 products when the operands are fp32."""
+def _opaque(x):
+    """`x` (16-bit) unchanged, through a copy that Triton may not look through. Triton lays out a product's operands
+    for the narrowest type its operands were loaded as, following elementwise operations, views and joins back to the
+    loads (and halving the width again at a join): an operand built from byte codes, or joined from lookups, took the
+    layout of 8-bit operands (kWidth 4), whose fragments ptxas copied into place before every mma, and whose tiles were
+    read back from shared memory 64 bits at a time instead of by ldmatrix. Behind this copy the search stops at 16
+    bits (`hf-kvcache bench --parts sass`, Triton 3.6: int4-g32 42.8 -> 32.7 instructions a held token, turboquant-3
+    60.5 -> 48.1). Not pure, which is what stops the search; it moves nothing once compiled. The launchers take it
+    where it measured faster (`launch.TUNING["operand_copy"]`)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, COPY: tl.constexpr = False):
+    """Tensor-core product with fp32 accumulation; exact fp32 products when the operands are fp32. COPY: a 16-bit
+    `b` through `_opaque` first (on the GPU)."""
     if PREC == "ieee":
         out = tl.dot(a, b, input_precision="ieee")
     else:
+        if COPY and b.dtype.primitive_bitwidth == 16:
+            b = _opaque(b)
         out = tl.dot(a, b)
     return out
 
 
 @triton.jit
-def _dot_into(acc, a, b, PREC: tl.constexpr):
+def _dot_into(acc, a, b, PREC: tl.constexpr, COPY: tl.constexpr = False):
     """`acc + a @ b` with the tensor cores' own accumulation (as `_dot`)."""
     if PREC == "ieee":
         out = tl.dot(a, b, acc, input_precision="ieee")
     else:
+        if COPY and b.dtype.primitive_bitwidth == 16:
+            b = _opaque(b)
         out = tl.dot(a, b, acc)
     return out
 
@@ -280,36 +298,37 @@ def _planes(byte, BITS: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr, CENTE
 
 @triton.jit
 def _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-                  OFF: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr):
+                  OFF: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, COPY: tl.constexpr = False):
     """sum over planes of q_P . (code_P - CENTER): raw scores (BLOCK_M, BLOCK_N) of whole packed rows of keys, in
     one accumulator."""
     byte = tl.load(kc + tok[:, None] * skc_t + jk[None, :])
     x0, x1, x2, x3 = _planes(byte, BITS, DT, OFF, CENTER, ASM)
-    return _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, 8 // BITS, PREC)
+    return _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, 8 // BITS, PREC, COPY)
 
 
 @triton.jit
-def _planes_into(acc0, acc1, acc2, acc3, alpha, p, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr):
+def _planes_into(acc0, acc1, acc2, acc3, alpha, p, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr,
+                 COPY: tl.constexpr = False):
     """The running weighted sums of the PER planes (accumulator P: output channels PER*j + P), each rescaled by the
     softmax step's `alpha` and added p . x_P; the accumulators past PER are returned as given."""
-    acc0 = _dot_into(acc0 * alpha[:, None], p, x0, PREC)
+    acc0 = _dot_into(acc0 * alpha[:, None], p, x0, PREC, COPY)
     if PER > 1:
-        acc1 = _dot_into(acc1 * alpha[:, None], p, x1, PREC)
+        acc1 = _dot_into(acc1 * alpha[:, None], p, x1, PREC, COPY)
     if PER > 2:
-        acc2 = _dot_into(acc2 * alpha[:, None], p, x2, PREC)
-        acc3 = _dot_into(acc3 * alpha[:, None], p, x3, PREC)
+        acc2 = _dot_into(acc2 * alpha[:, None], p, x2, PREC, COPY)
+        acc3 = _dot_into(acc3 * alpha[:, None], p, x3, PREC, COPY)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr):
+def _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, PER: tl.constexpr, PREC: tl.constexpr, COPY: tl.constexpr = False):
     """sum over the PER planes of q_P . x_P^T: raw scores (BLOCK_M, BLOCK_N) in one accumulator."""
-    s = _dot(q0, tl.trans(x0), PREC)
+    s = _dot(q0, tl.trans(x0), PREC, COPY)
     if PER > 1:
-        s = _dot_into(s, q1, tl.trans(x1), PREC)
+        s = _dot_into(s, q1, tl.trans(x1), PREC, COPY)
     if PER > 2:
-        s = _dot_into(s, q2, tl.trans(x2), PREC)
-        s = _dot_into(s, q3, tl.trans(x3), PREC)
+        s = _dot_into(s, q2, tl.trans(x2), PREC, COPY)
+        s = _dot_into(s, q3, tl.trans(x3), PREC, COPY)
     return s
 
 
@@ -491,6 +510,7 @@ def _attn_fwd(
     SINK_CAP: tl.constexpr = 0, K_RING: tl.constexpr = 0, V_RING: tl.constexpr = 0,
     K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False, K_ASM: tl.constexpr = "", V_ASM: tl.constexpr = "",
     K_GP: tl.constexpr = False, V_GP: tl.constexpr = False,  # grouped tiles in fp16 by plane (`_group_planes`)
+    B_COPY: tl.constexpr = False,  # the products' tiles and planes through `_opaque`
 ):
     pid_bh = tl.program_id(0)
     k_off = 0
@@ -614,7 +634,7 @@ def _attn_fwd(
             # ---- scores (BLOCK_M, BLOCK_N)
             if K_FMT != 3:
                 c = tl.load(kc + tok[:, None] * skc_t + d[None, :])
-                s = _dot(qp, tl.trans(_fp8_to(c, K_FMT, PDT)), PREC) * (k_scale / q_pow2)
+                s = _dot(qp, tl.trans(_fp8_to(c, K_FMT, PDT)), PREC, B_COPY) * (k_scale / q_pow2)
             elif K_PLANES and K_TOKG > 1:
                 # one tile = one block of K_TOKG tokens with per-channel scales: q.k = (q * s) . c + q . z
                 qs0 = (q0.to(tl.float32) * k0[None, :]).to(DT)
@@ -626,12 +646,14 @@ def _attn_fwd(
                 if KPER > 2:
                     qs2 = (q2.to(tl.float32) * k2[None, :]).to(DT)
                     qs3 = (q3.to(tl.float32) * k3[None, :]).to(DT)
-                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM)
+                s = _plane_scores(kc, tok, skc_t, jk, qs0, qs1, qs2, qs3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM,
+                                  B_COPY)
                 if not K_SYM:  # q.k = (q * s) . (c - K_CTR) + q . (z + K_CTR * s), the latter from `_side`
                     s += tl.sum(qf * kz_t[None, :], 1)[:, None]
             elif K_PLANES:
                 # one group per token row: q.k = scale * (q . (c - K_CTR)) + (zero + K_CTR * scale) * sum(q)
-                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM) / q_pow2
+                s = _plane_scores(kc, tok, skc_t, jk, q0, q1, q2, q3, PREC, K_BITS, PDT, K_OFF, K_CTR, K_ASM,
+                                  B_COPY) / q_pow2
                 if K_SYM:
                     s = s * k0[None, :]
                 else:
@@ -639,10 +661,10 @@ def _attn_fwd(
             elif K_GP:
                 # the fp16 planes of the dequantized tile, each times its query plane
                 x0, x1, x2, x3 = _group_planes(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM, K_ASM)
-                s = _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, KPER, PREC) / q_pow2
+                s = _planes_dot(q0, q1, q2, q3, x0, x1, x2, x3, KPER, PREC, B_COPY) / q_pow2
             else:
                 kt = _group_dequant(kc, tok, skc_t, k0, kz_t, BLOCK_N, D, K_BITS, K_CHG, K_SYM)
-                s = _dot(qd, tl.trans(kt.to(DT)), PREC)
+                s = _dot(qd, tl.trans(kt.to(DT)), PREC, B_COPY)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             if HAS_MASK and MASK_ROW:
                 # one query position (decode): one row of the mask serves every query head
@@ -661,7 +683,7 @@ def _attn_fwd(
             # ---- values
             if V_FMT != 3:
                 c = tl.load(vc + tok[:, None] * svc_t + d[None, :])
-                acc0 = acc0 * alpha[:, None] + _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(PDT), _fp8_to(c, V_FMT, PDT), PREC, B_COPY)
             elif V_PLANES:
                 # one group per token row: sum_n p_n v_n = (p * scale) . (c - V_CTR) + sum_n p_n (zero_n + V_CTR * scale_n);
                 # p * scale is clamped to fp16's largest value when the products are fp16 (a scale past it is not a
@@ -674,15 +696,16 @@ def _attn_fwd(
                     extra = extra * alpha + tl.sum(p * (vz_t + V_CTR * v0)[None, :], 1)
                 x0, x1, x2, x3 = _planes(tl.load(vc + tok[:, None] * svc_t + jv[None, :]), V_BITS, PDT, V_OFF, V_CTR,
                                          V_ASM)
-                acc0, acc1, acc2, acc3 = _planes_into(acc0, acc1, acc2, acc3, alpha, ps, x0, x1, x2, x3, VPER, PREC)
+                acc0, acc1, acc2, acc3 = _planes_into(acc0, acc1, acc2, acc3, alpha, ps, x0, x1, x2, x3, VPER, PREC,
+                                                      B_COPY)
             elif V_GP:
                 # each fp16 plane of the dequantized tile into its own accumulator (output channels PER*j + P)
                 x0, x1, x2, x3 = _group_planes(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM, V_ASM)
                 acc0, acc1, acc2, acc3 = _planes_into(acc0, acc1, acc2, acc3, alpha, p.to(tl.float16), x0, x1, x2, x3,
-                                                      VPER, PREC)
+                                                      VPER, PREC, B_COPY)
             else:
                 vt = _group_dequant(vc, tok, svc_t, v0, vz_t, BLOCK_N, D, V_BITS, V_CHG, V_SYM)
-                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+                acc0 = acc0 * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC, B_COPY)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:
             tl.store(ptr, acc0 * v_scale)
@@ -713,13 +736,13 @@ def _attn_fwd(
             kt = _place_tile(ks, kr, kn, kc, ksc, kz, sks_t, skr_t, skn_t, skc_t, sksc_t, sksc_c, k_scale,
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npk, nrk, k_off, stop, n_new, DT,
                              K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, K_RING)
-            s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
+            s = _finish_scores(_dot(qd, tl.trans(kt), PREC, B_COPY), sm_scale, softcap, HAS_SOFTCAP)
             s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _place_tile(vs, vr, vn, vc, vsc, vz, svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale,
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, v_off, stop, n_new, DT,
                              V_FMT, V_BITS, 1, V_CHG, V_SYM, V_RING)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC, B_COPY)
         tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)

@@ -50,6 +50,11 @@ TUNING = {
     # (`decode._planes`) and a 16-bit model's grouped tiles, then dequantized in fp16 by plane (`decode._group_planes`),
     # instead of Triton's integer operations on one element at a time (and grouped tiles in fp32, joined)
     "plane_asm": os.environ.get("HF_KVCACHE_PLANE_ASM", "1") == "1",
+    # 16-bit product operands built from codes behind an opaque copy (`decode._opaque`), so that Triton lays them out
+    # as 16-bit operands (ldmatrix, no copies before each mma) rather than as the bytes they came from: TurboQuant's
+    # looked-up tiles, KVQuant's, and the grouped fp16 planes where both streams have them (where it measured faster,
+    # BENCHMARKS.md 2026-12-05, ninth session)
+    "operand_copy": os.environ.get("HF_KVCACHE_OPERAND_COPY", "1") == "1",
     # fp16 products for bf16 models where every code converts to fp16 exactly (`decode_launch._product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
     # TurboQuant's kernel (`turbo.py`): its codebook lookup, "registers" (PTX, fp16 products) or "load"

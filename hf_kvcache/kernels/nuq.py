@@ -241,6 +241,7 @@ def _nuq_attn(
     V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, LOOKUP: tl.constexpr, K_ASM: tl.constexpr,
     V_ASM: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, H16: tl.constexpr = False,
+    B_COPY: tl.constexpr = False,  # the products' tiles through `decode._opaque`
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
     packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
@@ -327,7 +328,7 @@ def _nuq_attn(
                 r1 = k1 * cos - k2 * sin
                 k2 = k2 * cos + k1 * sin
                 k1 = r1
-            s = _dot(q1, tl.trans(k1.to(QT)), PREC) + _dot(q2, tl.trans(k2.to(QT)), PREC)
+            s = _dot(q1, tl.trans(k1.to(QT)), PREC, B_COPY) + _dot(q2, tl.trans(k2.to(QT)), PREC, B_COPY)
             s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             s = _mask_scores(s, MASK, b, t, n_sink + tok, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
@@ -335,7 +336,7 @@ def _nuq_attn(
             v_half = ((v_hi - v_lo) / 2)[:, None].to(AT)
             vt = _dequant(vw, vi, vv, VCB, 0, v_mid, v_half, V_BITS, V_S, V_SP, LOOKUP, V_ASM,
                           vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7, H16)
-            acc = acc * alpha[:, None] + _dot(p.to(QT), vt.to(QT), PREC)
+            acc = acc * alpha[:, None] + _dot(p.to(QT), vt.to(QT), PREC, B_COPY)
     else:
         # ------------------------------------------------------------------ exact tokens
         q = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
@@ -359,12 +360,12 @@ def _nuq_attn(
             ok = kpos < limit
             kt = _dense_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
-            s = _finish_scores(_dot(q, tl.trans(kt.to(DT)), PREC), sm_scale, softcap, HAS_SOFTCAP)
+            s = _finish_scores(_dot(q, tl.trans(kt.to(DT)), PREC, B_COPY), sm_scale, softcap, HAS_SOFTCAP)
             s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
             m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
             vt = _dense_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC, B_COPY)
     tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)

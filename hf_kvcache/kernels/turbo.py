@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import (_dot, _dot_into, _finish_scores, _mask_scores, _planes_into, _q_plane, _softmax_step,
+from .decode import (_dot, _dot_into, _finish_scores, _mask_scores, _opaque, _planes_into, _q_plane, _softmax_step,
                      _static_places, _unpack)
 
 LOOKUP_LOAD = 1
@@ -69,9 +69,10 @@ def _words(C, tok, ok, s_t, OFF: tl.constexpr, NW: tl.constexpr, WIDE: tl.conste
 
 @triton.jit
 def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
-               LOOKUP: tl.constexpr, ASM: tl.constexpr, PDT: tl.constexpr):
+               LOOKUP: tl.constexpr, ASM: tl.constexpr, PDT: tl.constexpr, COPY: tl.constexpr = False):
     """codebook[code] of the W channels of one part for tokens `tok (BLOCK_N,)`: (BLOCK_N, W) in PDT (rows not `ok`
-    read code 0: their lengths, loaded as 0, cancel them)."""
+    read code 0: their lengths, loaded as 0, cancel them). COPY: the register lookup's tile, joined from its outputs,
+    through `decode._opaque` (a product's 16-bit operand layout)."""
     if LOOKUP == 2:
         if BITS == 4:  # a word: 8 channels
             w = _words(C, tok, ok, s_t, 0, W // 8, True)
@@ -93,6 +94,8 @@ def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS
                        tl.float16, tl.float16), is_pure=True, pack=1)
             x = tl.reshape(tl.join(_tree8(o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14]),
                                    _tree8(o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15])), (BLOCK_N, W))
+        if COPY:
+            x = _opaque(x)
     else:
         ch = tl.arange(0, W)[None, :]
         row = (tok * s_t)[:, None]
@@ -225,7 +228,7 @@ def _turbo_attn(
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
     K_PLANES: tl.constexpr = 0, V_PLANES: tl.constexpr = 0, K_ASM_H: tl.constexpr = "",
-    V_ASM_H: tl.constexpr = "",
+    V_ASM_H: tl.constexpr = "", B_COPY: tl.constexpr = False,  # the lookups' tiles through `decode._opaque`
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -358,10 +361,10 @@ def _turbo_attn(
                 s = _dot_into(s, q7, tl.trans(k7), PREC)
                 s = s * (ka_len * unit)[None, :]
             else:
-                kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT)
+                kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT, B_COPY)
                 s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
             if K_TWO:
-                kt = _centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT)
+                kt = _centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT, B_COPY)
                 s += _dot(qb, tl.trans(kt), PREC) * (kb_len * unit)[None, :]
             if HAS_SOFTCAP:
                 s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
@@ -385,10 +388,10 @@ def _turbo_attn(
                 v0, v1, v2, v3 = _half_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
                 a0, a1, a2, a3 = _planes_into(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, 4, PREC)
             else:
-                vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT)
+                vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT, B_COPY)
                 acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
             if V_TWO:
-                vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT)
+                vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT, B_COPY)
                 acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
         if V_PLANES:

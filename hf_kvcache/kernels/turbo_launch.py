@@ -162,6 +162,7 @@ def turbo_attention(
         K_PLANES=k_planes, V_PLANES=v_planes,
         K_ASM_H=_planes_asm(kf.parts[0].bits, kf.parts[0].levels) if registers and k_planes else "",
         V_ASM_H=_planes_asm(vf.parts[0].bits, vf.parts[0].levels) if registers and v_planes else "",
+        B_COPY=TUNING["operand_copy"],
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}
