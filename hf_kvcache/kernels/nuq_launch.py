@@ -60,7 +60,7 @@ def nuq_attention(
     def packed(st: StreamTensors) -> list:
         """codes + batch, head and token strides, slot indices and values + their strides."""
         row_bytes, slots = d * st.fmt.bits // 8, max(st.fmt.slots, 1)
-        if not st.fields:  # no packed place yet: dummies with the storage's token strides (`decode_launch._packed_args`)
+        if not st.fields:  # no packed place yet: dummies with its token strides (`decode_launch._packed_args`)
             return [dummy, 0, 0, row_bytes, dummy, dummy, 0, 0, slots]
         f = st.fields
         codes = f["codes"]
