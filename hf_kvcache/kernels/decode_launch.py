@@ -10,7 +10,7 @@ import torch
 
 from . import backend
 from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _partials, _place, _split_k,
-                     _step_counts, on_input_device)
+                     _step_counts, on_input_device, operand_copy)
 from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 
 # The split-K partials `decode._combine` reads at a time. A fixed block, not the split count's power of two: the count
@@ -193,7 +193,7 @@ def packed_attention(
     # The products' operands behind `decode._opaque` where both streams are grouped fp16 planes: measured on the
     # H100 at batch 16 x 32k (2026-12-05, on against off in one run), int4-g32 472.4 -> 414.0 us; fp8-e4m3 (401.9 ->
     # 416.3), int8 (418.6 -> 473.5) and KIVI-2 (669.8 -> 755.4), whose counts fell as well, lost, so they keep the
-    # operand layout Triton picks.
+    # operand layout Triton picks (HF_KVCACHE_OPERAND_COPY=all gives it to every format, to measure the others).
     meta = dict(
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DT=dt, PDT=decode.tl.float16 if pdt != query.dtype else dt,
         PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, MASK_AHEAD=TUNING["mask_ahead"],
@@ -202,7 +202,7 @@ def packed_attention(
         K_OFF=_magic_offset(keys.fmt, pdt), V_OFF=_magic_offset(values.fmt, pdt),
         K_ASM=_plane_asm(keys.fmt, pdt, d, _planes(keys.fmt, d, keys=True)),
         V_ASM=_plane_asm(values.fmt, pdt, d, _planes(values.fmt, d, keys=False)),
-        K_GP=k_gp, V_GP=v_gp, B_COPY=TUNING["operand_copy"] and k_gp and v_gp,
+        K_GP=k_gp, V_GP=v_gp, B_COPY=operand_copy(k_gp and v_gp),
         **_fmt_meta(keys, values, d),
     )
     if static is not None:

@@ -51,10 +51,10 @@ TUNING = {
     # instead of Triton's integer operations on one element at a time (and grouped tiles in fp32, joined)
     "plane_asm": os.environ.get("HF_KVCACHE_PLANE_ASM", "1") == "1",
     # 16-bit product operands built from codes behind an opaque copy (`decode._opaque`), so that Triton lays them out
-    # as 16-bit operands (ldmatrix, no copies before each mma) rather than as the bytes they came from: TurboQuant's
-    # looked-up tiles, KVQuant's, and the grouped fp16 planes where both streams have them (where it measured faster,
-    # BENCHMARKS.md 2026-12-05, ninth session)
-    "operand_copy": os.environ.get("HF_KVCACHE_OPERAND_COPY", "1") == "1",
+    # as 16-bit operands (ldmatrix, no copies before each mma) rather than as the bytes they came from: "1" where it
+    # measured faster (TurboQuant's looked-up tiles, KVQuant's, the decode kernel where both streams are grouped fp16
+    # planes; BENCHMARKS.md 2026-12-05, ninth session), "0" nowhere, "all" every decode kernel too (to measure)
+    "operand_copy": os.environ.get("HF_KVCACHE_OPERAND_COPY", "1"),
     # fp16 products for bf16 models where every code converts to fp16 exactly (`decode_launch._product_dtype`)
     "fp16_products": os.environ.get("HF_KVCACHE_FP16_PRODUCTS", "1") == "1",
     # TurboQuant's kernel (`turbo.py`): its codebook lookup, "registers" (PTX, fp16 products) or "load"
@@ -72,6 +72,15 @@ TUNING = {
     # sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
     "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "1") == "1",
 }
+
+
+def operand_copy(measured_faster: bool) -> bool:
+    """Whether a launch takes `decode._opaque` (`TUNING["operand_copy"]`): `measured_faster` says whether its format is
+    one where the copy measured faster."""
+    mode = TUNING["operand_copy"]
+    if mode not in ("0", "1", "all"):
+        raise ValueError(f"HF_KVCACHE_OPERAND_COPY must be 0, 1 or all, not {mode!r}")
+    return mode == "all" or (mode == "1" and measured_faster)
 
 
 def on_input_device(launcher):

@@ -10,7 +10,7 @@ import torch
 from . import backend
 from .decode_launch import _combine
 from .launch import (TUNING, _PACK_BLOCK_T, _bh_t_strides, _compiling, _compute_dtype, _len, _length_args, _mask_args,
-                     _partials, _place, _split_k, _step_counts, on_input_device)
+                     _partials, _place, _split_k, _step_counts, on_input_device, operand_copy)
 from .layout import NUQFormat, StaticLayout, StreamTensors
 
 
@@ -113,7 +113,7 @@ def nuq_attention(
         V_ASM=nuq.lookup_asm(vf.bits) if lookup == nuq.LOOKUP_REGISTERS else "",
         STATIC=static is not None, SINK_CAP=static.sink_tokens if static is not None else 0,
         H16=lookup == nuq.LOOKUP_REGISTERS and TUNING["nuq_fp16"] and kf.fp16 and vf.fp16,
-        B_COPY=TUNING["operand_copy"], num_warps=TUNING["nuq_num_warps"], num_stages=2, **cap,
+        B_COPY=operand_copy(True), num_warps=TUNING["nuq_num_warps"], num_stages=2, **cap,
     )
     _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
     return out

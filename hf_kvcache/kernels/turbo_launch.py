@@ -13,7 +13,7 @@ import torch
 from . import backend
 from .decode_launch import _combine
 from .launch import (TUNING, _compute_dtype, _length_args, _mask_args, _partials, _place, _split_k, _step_counts,
-                     on_input_device)
+                     on_input_device, operand_copy)
 from .layout import StaticLayout, StreamTensors
 
 
@@ -162,7 +162,7 @@ def turbo_attention(
         K_PLANES=k_planes, V_PLANES=v_planes,
         K_ASM_H=_planes_asm(kf.parts[0].bits, kf.parts[0].levels) if registers and k_planes else "",
         V_ASM_H=_planes_asm(vf.parts[0].bits, vf.parts[0].levels) if registers and v_planes else "",
-        B_COPY=TUNING["operand_copy"],
+        B_COPY=operand_copy(True),
     )
     if n_splits:
         cap = {"maxnreg": TUNING["turbo_maxnreg"]} if TUNING["turbo_maxnreg"] and not backend.interpreting() else {}

@@ -130,6 +130,19 @@ def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
     assert pick(int4_g32, torch.bfloat16, 128, planes=False) == ""
 
 
+def test_the_operand_copy_goes_where_it_measured_faster(monkeypatch):
+    """`launch.operand_copy`: by default only for the formats where `decode._opaque` measured faster, nowhere with
+    "0", everywhere with "all" (to measure the rest); any other setting is refused, naming the allowed ones."""
+    from hf_kvcache.kernels import launch
+
+    for mode, faster, other in (("1", True, False), ("0", False, False), ("all", True, True)):
+        monkeypatch.setitem(launch.TUNING, "operand_copy", mode)
+        assert (launch.operand_copy(True), launch.operand_copy(False)) == (faster, other), mode
+    monkeypatch.setitem(launch.TUNING, "operand_copy", "yes")
+    with pytest.raises(ValueError, match="0, 1 or all"):
+        launch.operand_copy(True)
+
+
 def test_the_turbo_eighth_lookup_decodes_every_code():
     """`turbo.lookup_asm_eighths`: two 16-bit halves of a 3-bit part's 2-bit plane and their top-bit bytes -> each
     plane k's centroids (channels 8j + k) of both halves, the first half's in the low 16 bits."""
