@@ -39,7 +39,7 @@ import torch
 from ._common import BenchConfig
 
 # (prompt past two chunks, next turns over it): each prompt is two of the part's chunks and this many tokens more,
-# decoded `warmup.NEW_TOKENS` steps; the last call is a fresh cache
+# decoded `warmup.NEW_TOKENS` steps; each prompt is a fresh cache
 CALLS = ((1000, (7, 100)), (1500, ()))
 # then a fresh cache with a prompt this short: inside every preset's residual window, so its decode steps read a packed
 # place that holds nothing yet, which must launch the kernel variants a filled place launches
