@@ -270,35 +270,35 @@ def test_captured_decode_step_equals_eager_on_cuda(spec, easy, hard, name):
 @pytest.mark.parametrize("spec,easy,hard", CUDA_METHODS, ids=CUDA_IDS)
 def test_generate_compiles_the_static_cache_by_itself_on_cuda(spec, easy, hard):
     """transformers' own rule (`is_compileable`, Inductor, `mode="reduce-overhead"`) compiles the decode step once
-    for 512 steps, and its greedy tokens are the eager step's for the first 200 (measured on the H200). Later
-    ones may part: Inductor's fused kernels round the model's own activations differently from eager PyTorch in
-    the last bits, and a 2-bit KIVI key block's least-squares range search (kivi-2) turns a last-bit difference
-    into other codes; the captured test above holds every step to the eager tokens without Inductor's kernels."""
+    for 512 steps, and its greedy tokens are the eager step's for the first 200 new tokens, except where a row's
+    compiled tokens part from eager's at a near tie: eager's two best logits there closer than the largest
+    compiled-vs-eager logit difference of the steps before. Inductor's fused kernels round the model's own
+    activations differently from eager PyTorch in the last bits, which is all such a tie needs; the fp8-e4m3 case
+    failed on the H200 (2026-12-02) and the H100 (2026-12-06) for this reason: row 1 parted at new token 192,
+    where eager's top-2 margin was 0.00015 (logits up to 3.79) after logit differences of at most 0.0025. A 2-bit
+    KIVI key block's least-squares range search (kivi-2) turns a last-bit difference into other codes; the captured
+    test above holds every step to the eager tokens without Inductor's kernels."""
     eager, compiled, graphs = _cuda_case("llama", spec, hard, 512, output_scores=True, return_dict_in_generate=True)
     assert graphs == 1, "recompiled"
-    prompt = 40
-    assert torch.equal(compiled.sequences[:, : prompt + 200], eager.sequences[:, : prompt + 200]), _parting(
-        eager, compiled, prompt)
+    prompt, promised = 40, 200
+    partings = _partings(eager, compiled, prompt, promised)
+    assert all(p["margin"] <= p["before"] for p in partings), _parting(eager, compiled, prompt)
 
 
-def _parting(eager, compiled, prompt: int) -> str:
-    """Where each row's compiled tokens first part from the eager ones, how close eager's top two logits were at that
-    step (a near tie, or not), and the largest compiled-vs-eager logit difference of the steps before it: what
-    explains a parting (the fp8-e4m3 case failed on the H200, unexplained, in 2026-12-02's run 6)."""
+def _partings(eager, compiled, prompt: int, within: int) -> list[dict]:
+    """Each row whose compiled tokens part from eager's within the first `within` new tokens: where (`step`), eager's
+    top-2 logit margin there (`margin`), and the largest compiled-vs-eager logit difference of the steps before it (`before`)."""
     e_scores, c_scores = torch.stack(eager.scores, 1).float(), torch.stack(compiled.scores, 1).float()
-    lines = []
+    found = []
     for row in range(eager.sequences.shape[0]):
-        parted = (eager.sequences[row, prompt:] != compiled.sequences[row, prompt:]).nonzero()
-        if not len(parted):
-            lines.append(f"row {row}: no parting")
+        parted = (eager.sequences[row, prompt : prompt + within] != compiled.sequences[row, prompt : prompt + within])
+        if not parted.any():
             continue
-        step = int(parted[0])
+        step = int(parted.nonzero()[0])
         top2 = e_scores[row, step].topk(2).values
         before = (e_scores[row, :step] - c_scores[row, :step]).abs().amax().item() if step else 0.0
-        lines.append(f"row {row}: parts at new token {step}, eager's top-2 logit margin there "
-                     f"{(top2[0] - top2[1]).item():.3g} (logits up to {e_scores[row, step].abs().max().item():.3g}), "
-                     f"largest logit difference before it {before:.3g}")
-    return "; ".join(lines)
+        found.append(dict(row=row, step=step, margin=(top2[0] - top2[1]).item(), before=before))
+    return found
 
 
 @pytest.mark.cuda
