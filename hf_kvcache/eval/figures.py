@@ -18,7 +18,8 @@ The config (paths relative to the repository's root, the folder holding README.m
   (`"turboquant-4": "turboquant-4:residual_length=64,sink_tokens=1"`: the preset since then).
 - bytes: the planner's, every tensor one sequence's cache holds (`hf_kvcache.footprint`).
 - speed: `hf-kvcache bench --parts e2e --json` files: `e2e.rows` (`method`, `mode`, `batch`, `context`, `vs_dynamic`:
-  DynamicCache's step / the cache's, measured in the same run) for decode, and a `prefill.rows` section (`method`,
+  DynamicCache's step / the cache's, measured in the same run) for decode, or `--parts decode`'s `decode.rows` (the
+  same fields, `generate` continuing caches filled with random K/V), and a `prefill.rows` section (`method`,
   `batch`, `context`, `chunk`, `prefill_s`, `vs_dynamic_chunked`, `vs_dynamic`) for prefill. A file without the
   point asked for leaves it unmeasured; nothing is filled in.
 """
@@ -131,16 +132,25 @@ def accuracy_figures(sources: dict, root: Path) -> dict[str, dict]:
     return out
 
 
+def _decode_section(bench: dict) -> tuple[str, dict]:
+    """The section a decode column reads: `e2e` (`generate` over its own prompt), else `decode` (`--parts decode`:
+    `generate` continuing a cache filled with random K/V, which times every preset in a fraction of the time)."""
+    for name in ("e2e", "decode"):
+        if bench.get(name):
+            return name, bench[name]
+    return "e2e", {}
+
+
 def _bench_rows(bench: dict, what: str) -> list[dict]:
     """A section's rows; a prefill run's rows over a left-padded batch (`--prefill-pad`) are not the table's."""
-    rows = (bench.get("e2e") if what == "decode" else bench.get("prefill") or {}).get("rows", [])
+    rows = (_decode_section(bench)[1] if what == "decode" else bench.get("prefill") or {}).get("rows", [])
     return [r for r in rows if not r.get("pad")]
 
 
 def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], list[dict], list[str]]:
     """`({preset: [point]}, columns present, lines on the columns missing)` from the bench JSON files. A column is
-    present when its file holds its section (decode: `e2e.rows` in `mode`; prefill: `prefill.rows`); a preset missing
-    from a present column is unmeasured there."""
+    present when its file holds its section (decode: `e2e.rows`, or `decode.rows`, in `mode`; prefill: `prefill.rows`);
+    a preset missing from a present column is unmeasured there."""
     speed = sources["speed"]
     attention = speed.get("attention")  # the methods' rows of a bench run under several attentions: which one
     points: dict[str, list[dict]] = {}
@@ -160,9 +170,10 @@ def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], lis
                 lacks = f"no {speed['mode']} row at that size" if what == "decode" else "no `prefill` section"
                 missing.append(f"{label} (`{col['path']}` has {lacks})")
                 continue
-            e2e = bench.get("e2e") or {}
+            section, e2e = _decode_section(bench)
             columns.append({**col, "what": what, "layers": e2e.get("layers"), "new_tokens": e2e.get("new_tokens"),
-                             "date": bench.get("env", {}).get("date")})
+                            "section": section if what == "decode" else "prefill",
+                            "date": bench.get("env", {}).get("date")})
             seen = set()
             for r in rows:
                 if r["method"] in seen:

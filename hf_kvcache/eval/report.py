@@ -455,8 +455,12 @@ def presets_table(figures) -> str:
     for c in figures.columns:
         speed_files.setdefault(c["path"], []).append(_column_label(c))
     e2e = next((c for c in figures.columns if c.get("layers")), None)
-    model = (f"{e2e['layers']} decoder layers of the Llama-3-8B shape with random weights, {e2e['new_tokens']} new "
-             "tokens, " if e2e else "")
+    model = (f"{e2e['layers']} decoder layers of the Llama-3-8B shape with random weights, "
+             + (f"{e2e['new_tokens']} new tokens, " if e2e.get("new_tokens") else "") if e2e else "")
+    # `--parts decode` times steps over caches filled with random K/V, `--parts e2e` the median step after a prompt
+    step = ("the step of `generate` continuing a cache filled with random K/V to the context (`hf-kvcache bench "
+            "--parts decode`: a 40-token call less an 8-token one, over 32 steps)"
+            if any(c.get("section") == "decode" for c in figures.columns) else "the median step")
     notes = [
         (f"**Accuracy**: the decode protocol ([docs/evaluation.md](docs/evaluation.md)): a prefill of {acc['prefill']} "
          f"tokens through the cache, then {acc['decode_tokens']} tokens decoded one at a time, on {acc['windows']} "
@@ -471,10 +475,11 @@ def presets_table(figures) -> str:
     if figures.columns:
         notes.append(
             f"**Speed**: `model.generate` as users call it on an {speed['platform']} in {speed['dtype']}: {model}"
-            f"a 32k-token prompt, {speed['mode']} (no `max_cache_len`)"
+            f"a 32k-token context, {speed['mode']} (no `max_cache_len`)"
             + (f", the caches under attention `{speed['attention']}`" if speed.get("attention") else "")
+            + (" (the model as loaded, no attention argument)" if speed.get("attention") == "sdpa" else "")
             + "; DynamicCache's time divided by the cache's, "
-            "measured in the same run (x2.00: twice as fast); decode: the median step; prefill: the prompt in chunks "
+            f"measured in the same run (x2.00: twice as fast); decode: {step}; prefill: the prompt in chunks "
             f"(`prefill_chunk_size`) against DynamicCache chunked alike. From {_files(speed_files)}.")
     if figures.missing:
         notes.append("Not measured yet: " + "; ".join(figures.missing) + ".")
