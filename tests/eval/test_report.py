@@ -250,6 +250,21 @@ def test_a_new_bench_file_fills_its_columns(tmp_path):
     assert "the caches under attention `sdpa`" in presets_table(figures)
 
 
+def test_a_decode_part_file_fills_the_decode_columns(tmp_path):
+    """`hf-kvcache bench --parts decode` writes its rows under `decode` (steps over caches filled with random K/V):
+    they fill the decode columns as `e2e` rows do, and the note says how the step was timed."""
+    _eval_run(tmp_path)
+    bench = tmp_path / "results" / "run" / "bench.json"
+    data = json.loads(bench.read_text())
+    data["decode"] = {"layers": 2, "context": 4096, "rows": data.pop("e2e")["rows"]}
+    bench.write_text(json.dumps(data))
+    figures = load_figures(tmp_path)
+    assert [(c["what"], c["batch"]) for c in figures.columns] == [("decode", 1), ("decode", 16), ("prefill", 16)]
+    table = presets_table(figures)
+    assert table.splitlines()[2].endswith("| x1.10 | x2.50 | x0.90 |")
+    assert "continuing a cache filled with random K/V" in table and "None new tokens" not in table
+
+
 def test_report_readme_writes_then_checks(tmp_path, capsys):
     _eval_run(tmp_path)
     readme = str(tmp_path / "README.md")
