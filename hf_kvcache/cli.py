@@ -39,7 +39,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention", choices=ATTENTIONS, default=None,
         help="the model's attention (default hf_kvcache: the fused read of the packed cache, the Triton kernels on "
-        "CUDA and the PyTorch reference on CPU; sdpa and eager read the cache dequantized)",
+        "CUDA and the PyTorch reference on CPU; sdpa and eager: the model's own, whose calls on CUDA a packed cache "
+        "routes to the same kernels, and which read it dequantized on CPU)",
     )
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None,
