@@ -49,6 +49,11 @@ class Codec(ABC):
         """Forget per-sequence state (a new generation starts)."""
         self.state = {}
 
+    def constants_nbytes(self) -> int:
+        """Bytes of the constants the codec keeps on the devices it has coded on (rotations, codebook tables): memory
+        the cache holds that neither grows with the tokens nor belongs to one sequence. None by default."""
+        return 0
+
     @property
     def observing(self) -> bool:
         """True while the codec wants `observe` (a per-sequence statistic not set yet)."""

@@ -501,8 +501,11 @@ class StreamStorage:
         return -(-n_packed // self.codec.block_size) * self._row_bytes() + dense + state
 
     def allocated_nbytes(self) -> int:
+        """Bytes allocated: the buffers (held and not yet filled), the codec's state and its constants (a TurboQuant
+        codec's rotations: 2.0 MB of the default model's 30 layers, which `tests/test_long_context.py` saw grow
+        beside the cache's own bytes on the H100)."""
         state = sum(v.numel() * v.element_size() for v in self.codec.state.values())
-        return sum(t.numel() * t.element_size() for t in self.buffers()) + state
+        return sum(t.numel() * t.element_size() for t in self.buffers()) + state + self.codec.constants_nbytes()
 
 
 def _sequence_index(p: torch.Tensor, offset) -> torch.Tensor:

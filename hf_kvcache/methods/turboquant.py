@@ -185,6 +185,10 @@ class RandomRotation:
         """The transform as a matrix `F (D, D)` float32, `apply(x) = x F`."""
         return self._get(device)[1]
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What `apply` and `frame` moved to devices (the parameters and F of each)."""
+        return [t for pair in self._on.values() for t in pair]
+
     def apply(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self._transform(x, self._get(x.device)[0], inverse)
 
@@ -235,6 +239,10 @@ class TurboCodec(Codec):
                 out.append(self.sketch.to(device))
             self._on[device] = out
         return self._on[device]
+
+    def constants_nbytes(self) -> int:
+        held = [*self.rotation.held_tensors(), *(t for tables in self._on.values() for t in tables)]
+        return sum(t.numel() * t.element_size() for t in held)
 
     @staticmethod
     def _names(n_parts: int) -> list[str]:
@@ -333,6 +341,10 @@ class SplitTurboCodec(Codec):
                        "lo_": TurboCodec(head_dim - self.high, b_lo, seed + 7919, qjl, rotation, scale)}
         self.head_dim = head_dim
         self._blocks: dict[torch.device, torch.Tensor] = {}  # R per device
+
+    def constants_nbytes(self) -> int:
+        blocks = sum(t.numel() * t.element_size() for t in self._blocks.values())
+        return blocks + sum(codec.constants_nbytes() for codec in self.halves.values())
 
     @property
     def observing(self) -> bool:

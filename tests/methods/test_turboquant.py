@@ -167,6 +167,25 @@ def test_presets_give_the_keys_half_a_bit_more(spec, key_token, value_token, spl
     assert cache.layers[0].nbytes() == 2 * hkv * (39 * (key_token + value_token) + 2 * 64 * 4) + orders
 
 
+@pytest.mark.parametrize("split", [0, None], ids=["one-rotation", "split"])
+def test_allocated_bytes_count_the_rotations_it_keeps(split):
+    """`allocated_nbytes()` counts the rotations (parameters and F, and a split's block-diagonal R) and codebook tables
+    a codec moved to the device it coded on: memory the cache holds beside its tokens (2.0 MB for the default model's
+    30 layers, which `tests/test_long_context.py` saw on the H100); `nbytes()`, the held tokens', does not."""
+    config = TINY_CONFIGS["llama"]()
+    cache = TurboQuantCache(config, bits=3.5, split=split)
+    k = torch.randn(1, config.num_key_value_heads, 40, 64)
+    cache.update(k, k, 0)
+    stream = cache.layers[0].key_stream
+    buffers = sum(t.numel() * t.element_size() for t in stream.buffers())
+    state = sum(t.numel() * t.element_size() for t in stream.codec.state.values())
+    codecs = stream.codec.halves.values() if split is None else [stream.codec]
+    rotations = sum(2 * c.head_dim**2 * 4 for c in codecs) + (64 * 64 * 4 if split is None else 0)
+    constants = stream.codec.constants_nbytes()
+    assert rotations <= constants < rotations + 1024  # the rest: the codebooks and their midpoints
+    assert stream.allocated_nbytes() == buffers + state + constants
+
+
 def test_the_energy_split_spares_the_small_channels():
     """Two channels 10-12x the others (this model family's keys): with the split the other 62 channels are coded
     against their own length, and lose less than with one rotation over all 64."""
