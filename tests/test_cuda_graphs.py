@@ -94,3 +94,21 @@ def test_bf16_default_model_shape_graphs_match_launches(monkeypatch):
         out_l = _generate(model, ids, torch.ones_like(ids), make_cache(spec, model), 64)
         assert torch.isfinite(graphed).all() and cache.nbytes() > 0
         assert torch.equal(out_g, out_l), spec
+
+
+@pytest.mark.parametrize("spec,easy,hard", GRAPH_METHODS, ids=[m[0] for m in GRAPH_METHODS])
+def test_captured_steps_hold_no_more_than_their_outputs(spec, easy, hard):
+    """What the cache's graphs keep allocated in their pool is their outputs. cuBLAS inside a captured step would keep
+    its workspace there too (32 MiB on Hopper, one per capture stream, uncounted by the cache's bytes): TurboQuant's
+    dense rotation did, 29.8 MB beyond the cache of the default model's shape at 8k (H100, 2026-12-06). cuBLAS's
+    workspaces are dropped first, so that an earlier cache's on a recycled stream cannot hide one."""
+    model = tiny_model("llama", "hf_kvcache").to("cuda")
+    ids, mask = left_padded_batch(model, lengths=(20, 7))
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    cache = make_cache(spec, model, **hard)
+    _generate(model, ids.cuda(), mask.cuda(), cache, 6)
+    torch.cuda.synchronize()
+    pooled = [b["size"] for s in torch.cuda.memory._snapshot()["segments"] if s.get("segment_pool_id", (0, 0)) != (0, 0)
+              for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert _replays(cache) == 0 or sum(pooled) < 1 << 20, f"{len(pooled)} blocks, {sum(pooled)} bytes in graph pools"

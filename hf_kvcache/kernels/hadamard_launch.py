@@ -1,12 +1,13 @@
-"""Launcher of `hadamard.py`'s kernel, RotatedCache's online rotation of keys and queries. Beside its kernel module
-(`launch.py` says why).
+"""Launchers of `hadamard.py`'s kernels, the rotations of rows: the Walsh-Hadamard transform and a product by a small
+matrix. Beside its kernel module (`launch.py` says why).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .launch import _compiling, on_input_device
+from .backend import interpreting, use_kernels
+from .launch import _compiling, head_dim_ok, on_input_device
 
 
 @on_input_device
@@ -30,3 +31,38 @@ def hadamard(x: torch.Tensor, _eager: bool = False) -> torch.Tensor:
         rows, out, rows.shape[0], rows.stride(0), out.stride(0), D=d, LOG_D=d.bit_length() - 1, BLOCK=block,
     )
     return out.view(x.shape)
+
+
+@on_input_device
+def rows_times(x: torch.Tensor, m: torch.Tensor, _eager: bool = False) -> torch.Tensor:
+    """`x (..., D)` -> `x.float() @ m` float32, `m (D, D)` float32 of any strides (its transpose, a view, is the
+    inverse of an orthogonal m), D a power of two up to 256. A Triton kernel rather than cuBLAS, so that a decode step
+    captured in a CUDA graph (`hf_kvcache.graphs`) launches no cuBLAS: cuBLAS would allocate its workspace (32 MiB on
+    Hopper) in the graph's pool for every capture stream, which the cache's bytes do not count."""
+    from . import hadamard as kernel
+
+    if not _eager and _compiling():
+        return torch.ops.hf_kvcache.rows_times(x, m)
+
+    d = x.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1) or m.shape != (d, d):
+        raise ValueError(f"rows_times takes a power-of-two head_dim in [16, 256] and a (D, D) matrix, got x "
+                         f"{tuple(x.shape)} and m {tuple(m.shape)}")
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, device=x.device, dtype=torch.float32)
+    block, block_n = 16, min(d, 64)
+    kernel._rows_times[(kernel.triton.cdiv(rows.shape[0], block), d // block_n)](
+        rows, m, out, rows.shape[0], rows.stride(0), m.stride(0), m.stride(1), out.stride(0), D=d, BLOCK=block,
+        BLOCK_N=block_n,
+    )
+    return out.view(x.shape)
+
+
+def rotate_rows(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`x.float() @ m`: through `rows_times` where the kernels run and take the head_dim, else PyTorch's product (on
+    the CPU without Triton's interpreter whatever the backend: a rotation is no reason to refuse one)."""
+    if (x.is_cuda or interpreting()) and use_kernels(x.device) and head_dim_ok(x.shape[-1]):
+        return rows_times(x, m)
+    return x.float() @ m

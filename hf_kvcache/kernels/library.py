@@ -143,6 +143,16 @@ def _(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("hf_kvcache::rows_times", mutates_args=())
+def rows_times(x: Tensor, m: Tensor) -> Tensor:
+    return hadamard_launch.rows_times(x, m, _eager=True)
+
+
+@rows_times.register_fake
+def _(x, m):
+    return torch.empty(x.shape, device=x.device, dtype=torch.float32)
+
+
 @torch.library.custom_op("hf_kvcache::pack_turbo", mutates_args=())
 def pack_turbo(y: Tensor, mids: list[Tensor], books: list[Tensor], bits: list[int], code_bytes: list[int],
                lsq: bool) -> list[Tensor]:

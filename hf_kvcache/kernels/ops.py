@@ -7,7 +7,7 @@ sweep, the tests) changes their next launch.
 from . import backend
 from .decode_launch import _fmt_meta, _planes, _product_dtype, _stream_args, packed_attention
 from .dispatch import decode_attention, static_decode_attention, supports
-from .hadamard_launch import hadamard
+from .hadamard_launch import hadamard, rotate_rows, rows_times
 from .launch import TUNING, _compute_dtype, _place, head_dim_ok, on_input_device
 from .nuq_launch import nuq_attention, pack_nuq
 from .pack_launch import pack_fp8, pack_per_channel, pack_per_token, pack_turbo
@@ -28,6 +28,8 @@ __all__ = [
     "pack_per_token",
     "pack_turbo",
     "packed_attention",
+    "rotate_rows",
+    "rows_times",
     "static_decode_attention",
     "supports",
     "turbo_attention",

@@ -12,6 +12,7 @@ import torch
 
 from . import backend
 from .decode_launch import _combine
+from .hadamard_launch import rotate_rows
 from .launch import (TUNING, _compute_dtype, _length_args, _mask_args, _partials, _place, _split_k, _step_counts,
                      on_input_device, operand_copy)
 from .layout import StaticLayout, StreamTensors
@@ -41,7 +42,7 @@ def _into_frame(query: torch.Tensor, frame: tuple[torch.Tensor, torch.Tensor | N
     q = query.float().reshape(b, hkv, hq // hkv * tq, d)  # (grouped by kv-head)
     if order is not None:
         q = torch.gather(q, 3, order.long()[:, :, None, :].expand(b, hkv, q.shape[2], d))
-    return (q @ rot).view(b, hq, tq, d)
+    return rotate_rows(q, rot).view(b, hq, tq, d)
 
 
 @functools.lru_cache(maxsize=64)

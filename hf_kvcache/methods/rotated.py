@@ -107,7 +107,7 @@ class Rotation:
         if x.device not in self._on:
             self._on[x.device] = self.matrix.to(device=x.device, dtype=torch.float32)
         r = self._on[x.device]
-        return (x.float() @ (r.T if inverse else r)).to(x.dtype)
+        return kernels.ops.rotate_rows(x, r.T if inverse else r).to(x.dtype)
 
 
 class RotatedCache(QuantizedKVCache):

@@ -40,3 +40,17 @@ def test_greedy_generation_through_the_kernels_equals_the_dense_path(spec):
             outs[attn] = model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=12,
                                         do_sample=False, **_compat.cache_kwargs(cache))
     assert torch.equal(outs["sdpa"], outs["hf_kvcache"])
+
+
+@pytest.mark.parametrize("d", [16, 64, 256])
+def test_rows_times_is_the_float32_product(d):
+    """`ops.rows_times` (the rotations of a captured step, without cuBLAS) against `x.float() @ m`, bf16 rows and a
+    transposed matrix included."""
+    g = torch.Generator().manual_seed(d)
+    m = torch.linalg.qr(torch.randn(d, d, generator=g))[0].to(DEVICE)
+    x = torch.randn(2, 3, 21, d, generator=g).to(DEVICE)
+    with kernels.use_backend("triton"):
+        torch.testing.assert_close(ops.rows_times(x, m), x @ m, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ops.rows_times(x.bfloat16(), m.T), x.bfloat16().float() @ m.T, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="power-of-two"):
+            ops.rows_times(torch.randn(2, 96, device=DEVICE), torch.eye(96, device=DEVICE))
