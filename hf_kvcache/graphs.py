@@ -5,8 +5,10 @@ the device, so its launches do not change from step to step: the layer runs it e
 graph, and from then on replays the graph, one launch instead of five to eight with their Python (measured on an
 H200: 32-63 us of host time a layer step instead of 590-2000 us, BENCHMARKS.md 2026-12-02). `GraphPools` holds the
 memory pool the graphs of one cache share on each device: a layer's graph keeps only its output between replays,
-and layers run one after another, so their temporaries can share memory. `GraphedDecodeStep` is the layer's side:
-whether a step can replay, its capture and its replays.
+and layers run one after another, so their temporaries can share memory. A captured step launches no cuBLAS: cuBLAS
+would leave its workspace (32 MiB on Hopper) allocated in that pool, beyond the cache's bytes (`kernels.ops.rows_times`
+does the steps' small products instead; `tests/test_cuda_graphs.py` checks what the pools keep). `GraphedDecodeStep`
+is the layer's side: whether a step can replay, its capture and its replays.
 """
 
 from __future__ import annotations
