@@ -51,7 +51,7 @@ class Codec(ABC):
 
     def constants_nbytes(self) -> int:
         """Bytes of the constants the codec keeps on the devices it has coded on (rotations, codebook tables): memory
-        the cache holds that neither grows with the tokens nor belongs to one sequence. None by default."""
+        the cache holds that neither grows with the tokens nor belongs to one sequence. 0 by default."""
         return 0
 
     @property
