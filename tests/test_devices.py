@@ -197,3 +197,36 @@ def test_offloaded_cache_generates_as_the_resident_one_on_cuda(spec, easy, hard,
             layer.prefetch()
             assert all(t.is_cuda for t in layer.stored_tensors())
         assert_cache_finite(cache)
+
+
+@pytest.mark.parametrize("gpu", ["sm_70", "rocm"])
+def test_a_gpu_the_kernels_do_not_serve_generates_through_the_reference_and_warns_once(monkeypatch, gpu):
+    """A GPU the kernels cannot serve (a V100, sm_70; an AMD GPU, which a ROCm torch reports as `cuda`), faked on the
+    CPU: `kernels.use_kernels` says no, with one warning that names the GPU's problem, and `generate` runs through the
+    reference, the tokens those of the CPU's own reference run."""
+    import warnings
+
+    from hf_kvcache.kernels import backend
+
+    model = tiny_model(NAME, "sdpa")
+    ids, mask = left_padded_batch(model, lengths=(30, 17))
+
+    def generate():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              **_compat.cache_kwargs(make_cache("int4-g32", model)))
+
+    want = generate()
+    monkeypatch.setattr(backend, "_served_on", {})
+    monkeypatch.setattr(backend, "_on_gpu", lambda device: True)  # this CPU as the unserved GPU
+    if gpu == "rocm":
+        monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    else:
+        monkeypatch.setattr(backend, "target_arch", lambda device: 70)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not backend.use_kernels(model.device)
+        got = generate()
+    said = [str(w.message) for w in caught if "hf_kvcache" in str(w.message)]
+    assert len(said) == 1, said
+    assert ("AMD GPU" if gpu == "rocm" else "sm_70") in said[0] and "PyTorch reference" in said[0]
+    assert torch.equal(got, want)

@@ -327,3 +327,33 @@ def test_default_model_shape_compiled_equals_eager(spec):
     compiled = _greedy(model, ids, make_cache(spec, model, max_cache_len=400), 64, min_new_tokens=64)
     assert torch.equal(compiled, eager)
 
+
+
+# The README's front presets (`bench.KERNEL_SPECS` less INT2)
+FRONT = ["fp8-e4m3", "int8", "int4-g32", "int4-g128", "kivi-4", "kivi-2", "kvquant-4", "turboquant-4",
+         "turboquant-3.5", "turboquant-3", "turboquant-2.75", "turboquant-2.5"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("spec", FRONT)
+def test_a_users_first_call_compiles_every_front_preset_on_cuda(spec, dtype):
+    """As a user's first `generate` with a pinned capacity runs it, in a 16-bit model under its own sdpa: the compiled
+    step is the first decode step this process runs (nothing cached by an eager step before, `turbo_launch._TABLES`
+    emptied), and it must compile and run: TurboQuant's failed with "tensor(s) in the cudagraph pool not tracked as
+    outputs" (H100, 2026-12-06). A second call through a fresh cache compiles nothing more, and its tokens are the
+    first's."""
+    from hf_kvcache.kernels import turbo_launch
+
+    turbo_launch._TABLES.clear()
+    torch._dynamo.reset()
+    model = tiny_model("llama", "sdpa").to("cuda", dtype)
+    ids = tiny_input_ids(model, batch=2, length=300).cuda()
+    n = 48
+    first = _greedy(model, ids, make_cache(spec, model, max_cache_len=ids.shape[1] + n), n, min_new_tokens=n)
+    before = _unique_graphs()
+    second = _greedy(model, ids, make_cache(spec, model, max_cache_len=ids.shape[1] + n), n, min_new_tokens=n)
+    assert _unique_graphs() == before, "a fresh cache of the same shape compiled again"
+    assert torch.equal(first, second)
+    assert first.shape[1] == ids.shape[1] + n

@@ -101,9 +101,9 @@ def _model(layers: int = 1):
     return LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16).eval()
 
 
-def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = False) -> dict:
-    """The compiles of `CALLS` for one method (in this process: see `compiles_part` for a fresh one): `{"warm_up":
-    None, or what `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
+def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = False, prompts=None) -> dict:
+    """The compiles of `prompts` (pairs as `CALLS`'; default `CALLS`, then `SHORT`) for one method (in this process:
+    see `compiles_part` for a fresh one): `{"warm_up": None, or what `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
     import warnings
 
     from ..warmup import calls, default_workers, warm_up
@@ -121,7 +121,9 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
             _set_attention(model, attention)
             out["warm_up"] = dict(warm_up(model, cache, batch_size=batch, prefill_chunk_size=chunk or None),
                                   workers=default_workers())
-        for prompt, turns in [*((2 * chunk + n, turns) for n, turns in CALLS), (SHORT, ())]:
+        plan = [*((2 * chunk + n, turns) for n, turns in CALLS), (SHORT, ())] if prompts is None else \
+            [(2 * chunk + n, turns) for n, turns in prompts]
+        for prompt, turns in plan:
             cache, attention = _make_e2e_cache(spec, model, attention="hf_kvcache")
             _set_attention(model, attention)
             ids = torch.randint(0, 512, (batch, prompt), generator=gen)
@@ -136,6 +138,25 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
                 out["calls"].append(dict(call="failed", tokens=None, chunk=None, compiles=compiles[start:],
                                          error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
     return out
+
+
+# Every NVIDIA architecture the kernels are built for (Turing on: `kernels.backend.MIN_ARCH`), and a preset of each
+# kernel family: FP8 (by its bits before sm_89), grouped integers (bit planes by PTX), KIVI (per-channel key blocks),
+# KVQuant's NUQ kernels, TurboQuant's (an energy split: 3- and 4-bit parts, both register lookups)
+ARCHS = (75, 80, 86, 89, 90, 100, 120)
+FAMILIES = ("fp8-e4m3", "fp8-e5m2", "int4-g32", "kivi-2", "kvquant-4", "turboquant-3.5")
+
+
+def arch_census(arch: int, specs=FAMILIES) -> dict[str, list[dict]]:
+    """Each of `specs`' kernels compiled for sm_<arch> (in this process): a prompt in chunks of 64 (the pack
+    kernel, and the chunk kernel over what the first chunk stored) and its decode steps -> `{spec: [{"kernel",
+    "error"} of each compile that failed, and of a call that stopped]}`."""
+    found = {}
+    for spec in specs:
+        row = census(spec, 64, arch, prompts=((100, ()),))
+        found[spec] = [dict(kernel=x["kernel"], error=x["error"]) for c in row["calls"] for x in c["compiles"]
+                       if x["error"]] + [dict(kernel=c["call"], error=c["error"]) for c in row["calls"] if c["error"]]
+    return found
 
 
 def _census_in_fresh_process(spec: str, chunk: int, arch: int, warm: bool = False) -> dict:
@@ -248,7 +269,9 @@ def first_call_part(cfg: BenchConfig, log=print) -> list[dict]:
 
 if __name__ == "__main__":  # the fresh processes of `_fresh_process`: the part's function and its arguments -> JSON
     what, spec, args = sys.argv[1], sys.argv[2], [int(a) for a in sys.argv[3:]]
-    if what == "census":
+    if what == "archs":  # (spec: the presets, comma-separated)
+        print(json.dumps(arch_census(args[0], spec.split(","))))
+    elif what == "census":
         print(json.dumps(census(spec, args[0], args[1], warm=bool(args[2]))))
     else:
         print(json.dumps(first_call(spec, args[0], bool(args[1]), *args[2:])))

@@ -34,6 +34,9 @@ FMT_FP8_E4M3 = 1
 FMT_FP8_E5M2 = 2
 FMT_UNIFORM = 3
 FMT_EXACT = 4  # the model dtype itself (the `exact` preset): read like fp8 codes with a unit scale
+# fp8 read by integer operations on the bits, for GPUs without fp8 conversions (before sm_89, `launch.fp8_native`)
+FMT_FP8_E4M3_BITS = 5
+FMT_FP8_E5M2_BITS = 6
 
 
 @triton.jit
@@ -360,13 +363,27 @@ def plane_asm(bits: int, off: int) -> str:
 
 
 @triton.jit
+def _fp8_bits_to_f16(c, E4M3: tl.constexpr):
+    """fp8 bytes as fp16 by their bits, exactly (`pack._fp8_bits` backwards): E5M2 is fp16's top byte; E4M3's sign,
+    exponent and mantissa moved into an fp16 whose exponent bias is 8 more, times 2^8 (subnormals included)."""
+    u = c.to(tl.uint8).to(tl.uint16)
+    if E4M3:
+        x = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
+    else:
+        x = (u << 8).to(tl.float16, bitcast=True)
+    return x
+
+
+@triton.jit
 def _fp8_to_float(c, FMT: tl.constexpr):
     if FMT == 4:
         x = c.to(tl.float32)
     elif FMT == 1:
         x = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
+    elif FMT == 2:
         x = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        x = _fp8_bits_to_f16(c, FMT == 5).to(tl.float32)
     return x
 
 
@@ -377,8 +394,10 @@ def _fp8_to(c, FMT: tl.constexpr, PDT: tl.constexpr):
     if PDT == tl.float16 and FMT != 4:
         if FMT == 1:
             x = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:
+        elif FMT == 2:
             x = c.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float16)
+        else:
+            x = _fp8_bits_to_f16(c, FMT == 5)
     else:
         x = _fp8_to_float(c, FMT).to(PDT)
     return x

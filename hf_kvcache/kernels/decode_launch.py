@@ -10,7 +10,7 @@ import torch
 
 from . import backend
 from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _partials, _place, _split_k,
-                     _step_counts, on_input_device, operand_copy)
+                     _step_counts, fp8_native, on_input_device, operand_copy)
 from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 
 # The split-K partials `decode._combine` reads at a time. A fixed block, not the split count's power of two: the count
@@ -19,9 +19,12 @@ from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 COMBINE_PARTS = 16
 
 
-def _fmt_code(kind: str) -> int:
+def _fmt_code(kind: str, fp8_native: bool = True) -> int:
+    """A format's `decode.FMT_*` code; fp8 by its bits where the target has no fp8 conversions (`launch.fp8_native`)."""
     from . import decode
 
+    if not fp8_native and kind in FP8_KINDS:
+        return decode.FMT_FP8_E4M3_BITS if kind == "fp8-e4m3" else decode.FMT_FP8_E5M2_BITS
     return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM,
             "exact": decode.FMT_EXACT}[kind]
 
@@ -203,7 +206,7 @@ def packed_attention(
         K_ASM=_plane_asm(keys.fmt, pdt, d, _planes(keys.fmt, d, keys=True)),
         V_ASM=_plane_asm(values.fmt, pdt, d, _planes(values.fmt, d, keys=False)),
         K_GP=k_gp, V_GP=v_gp, B_COPY=operand_copy(k_gp and v_gp),
-        **_fmt_meta(keys, values, d),
+        **_fmt_meta(keys, values, d, query.device),
     )
     if static is not None:
         meta.update(STATIC=True, SINK_CAP=static.sink_tokens, K_RING=static.key_ring, V_RING=static.value_ring,
@@ -223,13 +226,15 @@ def _stream_args(st: StreamTensors, new: torch.Tensor, dummy: torch.Tensor, head
     return [*_place(st.sink, dummy), *packed, *_place(st.residual, dummy), *_place(new, dummy), *f8]
 
 
-def _fmt_meta(keys: StreamTensors, values: StreamTensors, head_dim: int) -> dict:
-    """The two streams' formats as `decode._attn_fwd`'s constexprs (K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, V_...)."""
+def _fmt_meta(keys: StreamTensors, values: StreamTensors, head_dim: int, device: torch.device) -> dict:
+    """The two streams' formats as `decode._attn_fwd`'s constexprs (K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, V_...) for
+    kernels on `device`."""
+    native = fp8_native(device)
 
     def fmt_args(st: StreamTensors, with_tokens: bool) -> list:
         f = st.fmt
         chg = f.channel_group or head_dim
-        out = [_fmt_code(f.kind), f.bits]
+        out = [_fmt_code(f.kind, native), f.bits]
         if with_tokens:
             out.append(f.token_group)
         return out + [chg if f.kind == "uniform" else head_dim, f.symmetric]

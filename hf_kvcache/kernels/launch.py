@@ -71,7 +71,23 @@ TUNING = {
     # outputs through shared memory: 51.9 -> 38.5 warp instructions a held token for sm_90 (`hf-kvcache bench --parts
     # sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
     "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "1") == "1",
+    # FP8 conversions: "auto" (the hardware's where the target has them, sm_89 on; integer operations on the bits
+    # before), or "bits" everywhere (to check pre-Ada's path on any GPU, and on the interpreter)
+    "fp8_convert": os.environ.get("HF_KVCACHE_FP8_CONVERT", "auto"),
 }
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether the kernels on `device` convert FP8 with the hardware's instructions (`cvt` to and from e4m3/e5m2, sm_89
+    on) rather than by integer operations on the bits (`pack._fp8_bits`, `decode._fp8_bits_to_f16`): the same bytes and
+    values either way. The interpreter converts natively."""
+    mode = TUNING["fp8_convert"]
+    if mode not in ("auto", "bits"):
+        raise ValueError(f"HF_KVCACHE_FP8_CONVERT must be auto or bits, not {mode!r}")
+    if mode == "bits":
+        return False
+    arch = backend.target_arch(device)
+    return arch is None or arch >= backend.FP8_ARCH
 
 
 def operand_copy(measured_faster: bool) -> bool:

@@ -186,10 +186,25 @@ def _fp8_grid(y, MANT: tl.constexpr, EMIN: tl.constexpr):
     return _rint(y * inv) * step
 
 
+@triton.jit
+def _fp8_bits(y, E5M2: tl.constexpr):
+    """The fp8 byte of `y` (float32 on the format's grid, within its range) from the bits of an fp16 that holds it
+    exactly, for GPUs without fp8 conversions (before sm_89). E5M2 is fp16's top byte. E4M3 scaled by 2^-8 is an fp16
+    whose 5-bit exponent field is E4M3's 4-bit one (bias 15 = 7 + 8) and whose mantissa's top 3 bits are E4M3's,
+    subnormals included: the byte is the sign and the 7 bits below fp16's top bit, one place down."""
+    if E5M2:
+        u = y.to(tl.float16).to(tl.uint16, bitcast=True)
+        c = u >> 8
+    else:
+        u = (y * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True)  # y * 2^-8, exact
+        c = ((u >> 8) & 0x80) | ((u >> 7) & 0x7F)
+    return c.to(tl.uint8)
+
+
 @triton.jit(do_not_specialize=("T",))
 def _pack_fp8(
     X, sx_b, sx_h, sx_t, C, sc_b, sc_h, sc_t, S, ss_b, ss_h, T, H, fmax,
-    D: tl.constexpr, E5M2: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, E5M2: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr = True,
 ):
     """FP8 bytes of `clamp(x / scale)` (`quant.quantize_fp8`), one scale per (batch row, kv-head)."""
     pid_bh = tl.program_id(0)
@@ -203,10 +218,14 @@ def _pack_fp8(
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -fmax), fmax)
     # Round to the format's grid first (round half to even), so the cast below only converts exact values:
     # Triton's interpreter mis-rounds fp8 casts that carry into the exponent.
-    if E5M2:
-        c = _fp8_grid(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    # NATIVE: the hardware's conversion (sm_89 on); else the bits (`_fp8_bits`): the same bytes.
+    y = _fp8_grid(y, 2, -14) if E5M2 else _fp8_grid(y, 3, -6)
+    if not NATIVE:
+        c = _fp8_bits(y, E5M2)
+    elif E5M2:
+        c = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        c = _fp8_grid(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        c = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(C + b * sc_b + h * sc_h + tok[:, None] * sc_t + d[None, :], c, mask=ok)
 
 

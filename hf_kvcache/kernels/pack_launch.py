@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import _PACK_BLOCK_T, _bh_t_strides, _compiling, _copy_fields, on_input_device
+from .launch import _PACK_BLOCK_T, _bh_t_strides, _compiling, _copy_fields, fp8_native, on_input_device
 
 
 @on_input_device
@@ -100,7 +100,7 @@ def pack_fp8(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, fmt: str, 
     pack._pack_fp8[grid](
         x, *_bh_t_strides(x), out, *_bh_t_strides(out),
         s, s.stride(0) if s.shape[0] > 1 else 0, s.stride(1) if s.shape[1] > 1 else 0, t, h, float(fmax),
-        D=d, E5M2=fmt == "e5m2", BLOCK_T=_PACK_BLOCK_T,
+        D=d, E5M2=fmt == "e5m2", BLOCK_T=_PACK_BLOCK_T, NATIVE=fp8_native(x.device),
     )
 
 

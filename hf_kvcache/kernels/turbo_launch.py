@@ -18,12 +18,20 @@ from .launch import (TUNING, _compute_dtype, _length_args, _mask_args, _partials
 from .layout import StaticLayout, StreamTensors
 
 
-def codebook_args(st: StreamTensors, dummy: torch.Tensor, dtype: torch.dtype) -> tuple[list, list]:
+def codebook_args(st: StreamTensors, dummy: torch.Tensor, dtype: torch.dtype | None) -> tuple[list, list]:
     """A codebook stream's parts as `turbo._turbo_attn` takes them, two (a single part repeats): per part codes +
-    strides, norm + strides, the codebook in `dtype`; and each part's `(width, bits, PTX of the register lookup)`."""
+    strides, norm + strides, the codebook in `dtype` (None: the register lookup, which reads no table; `dummy` stands
+    in); and each part's `(width, bits, PTX of the register lookup)`.
+
+    The register lookup must not make a table: under a compiled step the first decode call runs inside the CUDA
+    graphs' memory pool, and a table made there and kept in `_TABLES` was the "tensor(s) in the cudagraph pool not
+    tracked as outputs" that stopped TurboQuant's compiled step (one a distinct codebook)."""
     args, meta = [], []
     for part in st.fmt.parts + st.fmt.parts[-1:] * (2 - len(st.fmt.parts)):
-        table, asm = _codebook_table(part, dummy.device, dtype)
+        if dtype is None:
+            table, asm = dummy, _asm(part.bits, _halves(part.levels))
+        else:
+            table, asm = _codebook_table(part, dummy.device, dtype)
         if st.fields:  # (the place's own buffers even while they hold nothing: one kernel variant, `_packed_args`)
             codes, norm = st.fields[part.codes], st.fields[part.norm]
             if codes.stride(3) != 1:
@@ -62,12 +70,18 @@ def _codebook_table(part, device: torch.device, dtype: torch.dtype) -> tuple[tor
     key = (part.bits, part.levels, device, dtype)
     found = _TABLES.get(key)
     if found is None:
-        halves = tuple(int(v) & 0xFFFF for v in part.codebook.to(torch.float16).view(torch.int16).tolist())
-        found = (part.codebook.to(device=device, dtype=dtype), _asm(part.bits, halves))
+        found = (part.codebook.to(device=device, dtype=dtype), _asm(part.bits, _halves(part.levels)))
         if len(_TABLES) > 64:
             _TABLES.clear()
         _TABLES[key] = found
     return found
+
+
+@functools.lru_cache(maxsize=64)
+def _halves(levels: tuple[float, ...]) -> tuple[int, ...]:
+    """A codebook's numbers (`CodebookPart.levels`) as the bits of their fp16 values."""
+    return tuple(int(v) & 0xFFFF for v in torch.tensor(levels, dtype=torch.float32).to(torch.float16)
+                 .view(torch.int16).tolist())
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,8 +90,7 @@ def _planes_asm(bits: int, levels: tuple[float, ...]) -> str:
     `turbo.lookup_asm_halves` (4 bits), `turbo.lookup_asm_eighths` (3 bits)."""
     from . import turbo
 
-    halves = [int(v) & 0xFFFF for v in torch.tensor(levels, dtype=torch.float32).to(torch.float16).view(torch.int16)
-              .tolist()]
+    halves = list(_halves(levels))
     return turbo.lookup_asm_halves(halves) if bits == 4 else turbo.lookup_asm_eighths(halves)
 
 
@@ -136,8 +149,9 @@ def turbo_attention(
     n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles)
     part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
 
-    k_args, k_meta = codebook_args(keys, k_new, pdt)
-    v_args, v_meta = codebook_args(values, k_new, pdt)
+    table_dtype = None if lookup == turbo.LOOKUP_REGISTERS else pdt
+    k_args, k_meta = codebook_args(keys, k_new, table_dtype)
+    v_args, v_meta = codebook_args(values, k_new, table_dtype)
     if query.stride(3) != 1:
         query = query.contiguous()
     qf = _into_frame(query, kf.frame(device), hkv)

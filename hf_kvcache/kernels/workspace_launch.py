@@ -29,7 +29,7 @@ def gather_places(keys: StreamTensors, values: StreamTensors, k_new: torch.Tenso
         # (the new tokens are never read: the keys' tensor stands in for both streams')
         *_stream_args(keys, k_new, k_new, d), *_stream_args(values, k_new, k_new, d),
         wk, wv, *wk.stride()[:3], static.length, static.capacity, hkv, start, n, k_new.shape[2],
-        D=d, BLOCK_T=_BLOCK_T, DT=dt, **_fmt_meta(keys, values, d), SINK_CAP=static.sink_tokens,
+        D=d, BLOCK_T=_BLOCK_T, DT=dt, **_fmt_meta(keys, values, d, k_new.device), SINK_CAP=static.sink_tokens,
         K_RING=static.key_ring, V_RING=static.value_ring, K_WINDOW=static.key_window, V_WINDOW=static.value_window,
     )
 

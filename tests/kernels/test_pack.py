@@ -81,6 +81,27 @@ def test_fp8_bytes_clamp_like_the_reference(fmt):
         assert torch.equal(got["codes"], want["codes"]), mode
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_bytes_by_their_bits_are_the_hardware_conversions(monkeypatch, fmt):
+    """Before sm_89 the pack kernel converts to fp8 by integer operations on an fp16's bits (`pack._fp8_bits`): every
+    byte equals the hardware conversion's (`cvt`, here the interpreter's), across every binade, subnormals, halfway
+    cases, both zeros and the clamp; and the reference's cast but for a zero's sign (the kernels round a negative
+    zero to +0, either way)."""
+    gen = torch.Generator().manual_seed(1)
+    mags = torch.logspace(-12, 18, 64 * 19 * 2, base=2.0, dtype=torch.float64).float()  # every binade and past fmax
+    signs = torch.where(torch.rand(mags.shape, generator=gen) < 0.5, -1.0, 1.0)
+    x = (mags * signs)[torch.randperm(mags.numel(), generator=gen)].view(1, 2, 19, 64)
+    x[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 2.0 ** -10 * 1.5, -(2.0 ** -17) * 3])  # zeros, halfway subnormals
+    codec = FP8Codec(fmt, "none", None)
+    native, want = _both(codec, x.to(DEVICE))
+    monkeypatch.setitem(kernels.launch.TUNING, "fp8_convert", "bits")
+    bits, _ = _both(codec, x.to(DEVICE))
+    _assert_same_bytes(bits, native)
+    zero = want["codes"] == 0x80
+    assert zero.sum() >= 1 and (bits["codes"][zero] == 0).all()
+    _assert_same_bytes({"codes": bits["codes"][~zero]}, {"codes": want["codes"][~zero]})
+
+
 @pytest.mark.parametrize("spec,kwargs", [("int4-g32", {"residual_length": 16}), ("kivi-2", {"residual_length": 32}),
                                          ("fp8-e4m3", {}), ("int8", {"sink_tokens": 3})])
 def test_cache_storage_written_in_place_equals_the_reference(spec, kwargs):
