@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--parts", default=None,
-        help="kernel, e2e, capacity (the default three), decode (steps over filled caches), prefill (chunked prefill "
+        help="kernel, e2e, capacity (the default three), decode (steps over filled caches), batch1 (eager steps at "
+        "batch 1 in --repeats interleaved rounds: medians and spread), prefill (chunked prefill "
         "and a next turn over a packed history), sweep (launch parameters), multi_gpu (see --multi-gpu), compiles "
         "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU), first_call (a first "
         "generate on an empty Triton cache against the second, with and without warm_up) and sass (each method's "
@@ -234,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--attentions", default="sdpa",
                        help="the attention the methods' rows of the e2e and decode parts run under: sdpa (the model "
                        "as loaded, no attention argument), eager, hf_kvcache; several run each")
+    bench.add_argument("--repeats", type=int, default=7, help="interleaved rounds of the batch1 part")
     bench.add_argument("--prefill-batches", default="1,16", help="batches of the prefill part")
     bench.add_argument("--turn-tokens", type=int, default=2048,
                        help="tokens of the next turn the prefill part times over the prefilled history")
@@ -501,8 +503,8 @@ def _bench(args: argparse.Namespace) -> int:
             parts = ("multi_gpu",) if args.multi_gpu else ("kernel", "e2e", "capacity")
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
-        known = ("kernel", "e2e", "decode", "prefill", "capacity", "sweep", "multi_gpu", "compiles", "first_call",
-                 "sass")
+        known = ("kernel", "e2e", "decode", "batch1", "prefill", "capacity", "sweep", "multi_gpu", "compiles",
+                 "first_call", "sass")
         unknown = set(parts) - set(known)
         if unknown:
             raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(known)}")
@@ -528,6 +530,7 @@ def _bench(args: argparse.Namespace) -> int:
             prefill_pad=args.prefill_pad,
             compile_arch=args.compile_arch,
             compile_warm_up=args.warm_up,
+            repeats=args.repeats,
         )
         if not cfg.attentions or set(cfg.attentions) - {"sdpa", "eager", "hf_kvcache"}:
             raise UsageError(f"--attentions: choose from sdpa, eager, hf_kvcache (got {args.attentions!r})")

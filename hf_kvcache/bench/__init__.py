@@ -41,7 +41,7 @@ from ._common import (KERNEL_SPECS, LLAMA3_8B, BenchConfig, _dense_cache_bytes, 
                       _tensor_bytes)
 from .capacity import capacity_part
 from .compiles import compiles_part, first_call_part
-from .e2e import _e2e_line, decode_part, e2e_part, e2e_row
+from .e2e import _e2e_line, decode_part, e2e_part, e2e_row, interleaved_part
 from .kernel import _attend, _filled_layer, kernel_part, sweep_part
 from .multi_gpu import multi_gpu_part, split_model, storage_devices
 from .prefill import prefill_part
@@ -98,7 +98,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
              "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part,
-             "first_call": first_call_part, "sass": sass_part}
+             "first_call": first_call_part, "sass": sass_part, "batch1": interleaved_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

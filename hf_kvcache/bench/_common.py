@@ -48,6 +48,7 @@ class BenchConfig:
     # the attention the methods' rows of the e2e and decode parts run under: the model's own ("sdpa", as loaded:
     # what a user gets without an attention argument) and/or "hf_kvcache"; the baselines always run sdpa
     attentions: tuple[str, ...] = ("sdpa",)
+    repeats: int = 7  # the batch1 part's interleaved rounds
     prefill_batches: tuple[int, ...] = (1, 16)
     prefill_turn: int = 2048  # the second turn's tokens over the prefilled history (prefill part)
     prefill_pad: int = 0  # left padding of every other row of the prefill part's batch (a batch of unequal prompts)

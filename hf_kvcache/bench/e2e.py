@@ -1,5 +1,6 @@
-"""The e2e part: `model.generate` as users call it, a fresh cache a call (`e2e_row`); and the decode part: caches
-filled with random K/V continued by `generate`, step time and GPU time (`decode_part`). Both on a Llama-3-8B-shaped
+"""The e2e part: `model.generate` as users call it, a fresh cache a call (`e2e_row`); the decode part: caches
+filled with random K/V continued by `generate`, step time and GPU time (`decode_part`); and the batch1 part, the same
+eager steps at batch 1 in interleaved repeats (`interleaved_part`). Both on a Llama-3-8B-shaped
 model with random bf16 weights, each method eager and compiled against DynamicCache eager and transformers'
 StaticCache compiled.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import statistics
 import time
 
 import torch
@@ -304,4 +306,54 @@ def decode_part(cfg: BenchConfig, log=print) -> list[dict]:
                 + (f"  host {r['host_us_per_layer']:.0f} us/layer" if r["mode"] == "eager" else ""))
     cfg.results["decode"] = dict(context=cfg.e2e_context, layers=cfg.e2e_layers, rows=rows)
     del model
+    return rows
+
+
+def interleaved_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Eager decode steps at batch 1 (most `generate` calls), as `decode_part` times them but interleaved: every cache
+    (DynamicCache and each of `decode_methods`, under each of `attentions`) filled with `e2e_context` tokens once, then
+    `repeats` rounds, each timing every cache in turn (A, B, C, A, B, C, ...), each cache cropped back to its fill
+    after its turn. A host whose speed drifts between calls (up to 40% on the H100 host, 2026-12-06) then moves every
+    cache's samples alike. Reported per cache: the median step, its spread (the least and largest sample), the ratio
+    of DynamicCache's median to its own, the median of the rounds' own ratios, the GPU time of a step (profiler) and
+    the host time of a layer step."""
+    model = _random_model(cfg.e2e_layers)
+    batch, context = 1, cfg.e2e_context
+    names = [("dynamic", "sdpa")] + [(m, a) for m in cfg.decode_methods for a in cfg.attentions]
+    caches = {}
+    for name, attention in names:
+        cache, attn = _decode_cache(name, model, context, False, attention)
+        _set_attention(model, attn)
+        _fill(cache, model, batch, context)
+        _generate_from(model, cache, batch, 4, False)  # compiles, graph captures
+        caches[name, attention] = (cache, attn, int(cache.get_seq_length()))
+    short, long = 8, 40
+    samples = {key: [] for key in caches}
+    for _ in range(cfg.repeats):
+        for key, (cache, attn, held) in caches.items():
+            _set_attention(model, attn)
+            t_short = _generate_from(model, cache, batch, short, False)
+            cache.crop(held)
+            t_long = _generate_from(model, cache, batch, long, False)
+            cache.crop(held)
+            samples[key].append((t_long - t_short) / (long - short) * 1e3)
+    rows = []
+    base = statistics.median(samples["dynamic", "sdpa"])
+    for key, (cache, attn, held) in caches.items():
+        _set_attention(model, attn)
+        steps = samples[key]
+        rounds = [d / s for d, s in zip(samples["dynamic", "sdpa"], steps)]
+        gpu_ms = _gpu_ms_per_step(model, cache, batch, 16, False)
+        cache.crop(held)
+        row = dict(method=key[0], attention=attn, batch=batch, context=context, repeats=len(steps),
+                   step_ms=statistics.median(steps), step_min_ms=min(steps), step_max_ms=max(steps),
+                   vs_dynamic=base / statistics.median(steps), vs_dynamic_rounds=statistics.median(rounds),
+                   gpu_ms=gpu_ms, host_us_per_layer=_host_us_per_layer(model, cache, batch))
+        rows.append(row)
+        log(f"batch 1 {key[0]:>15} {attn:>10}: step {row['step_ms']:6.2f} ms (median of {len(steps)}, "
+            f"{row['step_min_ms']:.2f}-{row['step_max_ms']:.2f})  x{row['vs_dynamic']:.2f} DynamicCache "
+            f"(rounds' median x{row['vs_dynamic_rounds']:.2f})  GPU {gpu_ms:6.2f} ms  "
+            f"host {row['host_us_per_layer']:.0f} us/layer")
+    cfg.results["batch1"] = dict(context=context, layers=cfg.e2e_layers, rows=rows)
+    del caches, model
     return rows

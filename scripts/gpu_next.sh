@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The next GPU run (issue 52), one `run` call on the device host (torch, transformers and triton are the host's):
+#   bash scripts/gpu_next.sh A    checks: FP8 by its bits, fp16 and bf16 at users' shapes, the compiled first call
+#   bash scripts/gpu_next.sh B    speed: batch 1 x 32k eager, interleaved repeats, every front preset
+# Logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+case "${1:-A}" in
+A)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_pack.py -k fp8 \
+    tests/kernels/test_decode.py -k "fp8_read_by_its_bits or (user_shapes and (1x32k or 16x32k))" 2>&1 \
+    | tee "$OUT/a1_kernels.log" | tail -15
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_pinned_capacity.py \
+    -k "users_first_call and (turboquant-4 or turboquant-3-bf16 or turboquant-2.5-bf16 or fp8-e4m3-bf16 or kivi-2-bf16)" \
+    2>&1 | tee "$OUT/a2_compiled.log" | tail -15
+  ;;
+B)
+  hf-kvcache bench --parts batch1 --e2e-context 32768 --repeats 7 \
+    --decode-methods fp8-e4m3,int8,int4-g32,int4-g128,kivi-4,kivi-2,turboquant-4,turboquant-3 \
+    --json "$OUT/b1_batch1.json" 2>&1 | tee "$OUT/b1_batch1.log" | tail -20
+  ;;
+esac
