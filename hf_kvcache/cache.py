@@ -1,7 +1,7 @@
 """`QuantizedKVCache`: the model's cache, a `transformers.Cache` of `QuantizedKVLayer`s (`layer.py`), one per decoder
 layer, each from the policy a method gives it (`codec.LayerPolicy`); the cache builds the layers and dispatches.
 
-Two read paths (see DESIGN.md): fused (`update()` returns a `KVHandle`, which the attention reads from the packed
+Two read paths (docs/design.md): fused (`update()` returns a `KVHandle`, which the attention reads from the packed
 storage, never building the full dense K/V: on CUDA under the model's own attention too, whose calls
 `hf_kvcache.attention` routes) and dense (`update()` returns K/V dequantized to the model dtype, what the model's
 own attention consumes: CPU under its default attention, or `cache.read = "dense"`).

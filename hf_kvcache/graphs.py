@@ -1,4 +1,4 @@
-"""CUDA graphs of eager decode steps (DESIGN.md, "The layer and its storage").
+"""CUDA graphs of eager decode steps (docs/design.md, "Capacity: growing or pinned").
 
 A cache layer's decode step on CUDA (pack the new token, advance the length, attend, combine) reads every length from
 the device, so its launches do not change from step to step: the layer runs it eagerly once, captures it in a CUDA

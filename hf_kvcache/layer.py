@@ -15,7 +15,7 @@ Without `max_cache_len` the capacity grows by itself when a write would not fit:
 tokens) at a decode step, to what a longer write needs plus `_MIN_GROW`; each packed row is copied once per growth,
 and a growth that runs out of memory raises before anything held moves.
 
-Two read paths (see DESIGN.md; the layer's reads are `read.py`'s `LayerReads`): fused (`update()` returns a
+Two read paths (docs/design.md; the layer's reads are `read.py`'s `LayerReads`): fused (`update()` returns a
 `KVHandle`, which the attention reads from the packed storage, never building the full dense K/V) and dense
 (`update()` returns K/V dequantized to the model dtype, what the model's own attention consumes); the cache decides
 which (`QuantizedKVCache.read`).

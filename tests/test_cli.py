@@ -32,7 +32,7 @@ def test_compare_is_eval_with_the_defaults():
     assert resolve("eval") == EvalConfig()
     assert resolve("compare", "--methods", "kivi-4,kivi-2").methods == ("kivi-4", "kivi-2")
     assert EvalConfig().methods == DEFAULT_METHODS
-    cfg = EvalConfig()  # DESIGN.md's decode protocol at its CPU size
+    cfg = EvalConfig()  # the decode protocol (docs/evaluation.md) at its CPU size
     assert (cfg.protocols, cfg.prefill, cfg.decode_tokens, cfg.windows, cfg.attention) == (
         ("decode",), (1024,), 64, 8, "hf_kvcache")
     assert resolve("eval", "--protocol", "decode,paper,stream").protocols == ("decode", "strict", "stream")

@@ -69,7 +69,7 @@ def test_no_top_level_entry_is_named_like_an_installed_package():
     }
     assert not clashes, (
         f"run from the repository's root, these entries shadow installed packages {clashes} (entry, distributions): "
-        "move them under hf_kvcache/ (see DESIGN.md's layout)"
+        "move them under hf_kvcache/ (see docs/design.md, 'The repository')"
     )
 
 
@@ -96,3 +96,47 @@ def test_transformers_hub_kernels_imports_from_the_repository_root():
     assert run.returncode == 0, f"`import {module}` from {ROOT} failed:\n{run.stderr[-3000:]}"
     from_repository = json.loads(run.stdout.strip().splitlines()[-1])
     assert not from_repository, f"importing {module} from the root loaded these from the repository: {from_repository}"
+
+
+def _documents_named(source: str) -> list[tuple[int, str]]:
+    """`(line, name)` of every document (`.md`, `.ipynb`) or repository path of a module (a folder, a slash, a `.py`
+    name) that a comment or docstring of Python `source` names."""
+    import io
+    import re
+    import tokenize
+
+    named = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.(?:md|ipynb)|(?:[\w.-]+/)+[\w-]+\.py)\b")
+    found, previous = [], tokenize.NEWLINE
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        docstring = tok.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT,
+                                                                 tokenize.DEDENT)
+        if tok.type == tokenize.COMMENT or docstring:
+            found += [(tok.start[0] + tok.string[: m.start()].count("\n"), m.group(1))
+                      for m in named.finditer(tok.string)]
+        if tok.type not in (tokenize.COMMENT, tokenize.NL):
+            previous = tok.type
+    return found
+
+
+def test_no_docstring_or_comment_names_a_file_the_repository_lacks():
+    """Docstrings and comments point readers to documents and modules of this repository only: fourteen named the
+    design and style guides that live outside it. A name is found from the root, from the file's own
+    folder, or as the tail of a tracked path (`kernels/decode.py`)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    paths = set(tracked)
+    missing = []
+    for file in tracked:
+        if not file.endswith(".py"):
+            continue
+        for line, name in _documents_named((ROOT / file).read_text()):
+            here = str(Path(file).parent / name)
+            if not (name in paths or here in paths or any(p.endswith("/" + name) for p in paths)):
+                missing.append(f"{file}:{line}: {name}")
+    assert not missing, missing
+
+
+def test_the_document_check_reads_comments_and_docstrings_only():
+    source = '"""See DESIGN.md."""\nx = "NOTES.md"  # and docs/gone.md\ndef f():\n    """tests/x/y.py"""\n'
+    assert _documents_named(source) == [(1, "DESIGN.md"), (2, "docs/gone.md"), (4, "tests/x/y.py")]

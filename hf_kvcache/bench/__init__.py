@@ -1,11 +1,11 @@
 """GPU benchmarks behind `hf-kvcache bench`: one module per part (`BenchConfig.parts`, `--parts`), what the parts
 share in `_common.py` (`BenchConfig`, the Llama-3-8B shapes and a random model of them, timing), and `run` here.
 
-Each part prints its baseline measured in the same run (STYLE.md #10):
+Each part prints its baseline measured in the same run:
 - kernel (`kernel.py`): one decode step of attention (Llama-3-8B heads: 32 q, 8 kv, head_dim 128) over a (batch x
   context) grid, ours (`hf_kvcache.attention.fused_attention` on a filled cache layer) against PyTorch's
   `scaled_dot_product_attention` on bf16 K/V with its flash backend and GQA (never cuDNN, whose per-length
-  planning costs ~13 ms of CPU a call on the GPU host, see DESIGN.md). Reported: GPU time of one call (each side
+  planning costs ~13 ms of CPU a call on the GPU host, BENCHMARKS.md). Reported: GPU time of one call (each side
   captured in a CUDA graph and replayed, so that host time is left out, as serving engines run decode), speed-up,
   GB/s of cache bytes read against the copy bandwidth measured in the same run, and the roofline 2/B; then the
   host time of one call and the eager time and speed-up (calls launched one by one, host time included).
@@ -85,7 +85,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     if not gpu and set(cfg.parts) - set(CPU_PARTS):
         raise RuntimeError("hf-kvcache bench measures GPU speed and needs a CUDA device")
     if gpu:
-        # The baselines run without PyTorch's cuDNN attention (per-length plans, see DESIGN.md): say so.
+        # The baselines run without PyTorch's cuDNN attention (per-length plans, BENCHMARKS.md): say so.
         torch.backends.cuda.enable_cudnn_sdp(False)
     import transformers
     import triton

@@ -90,7 +90,7 @@ def compile_only(arch: int = 90):
         triton.runtime.driver._active = None  # back to the default driver, found again when next needed
 
 
-def _model(layers: int = 1):
+def _model(layers: int = 1, dtype: torch.dtype = torch.bfloat16):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ._common import LLAMA3_8B
@@ -98,10 +98,11 @@ def _model(layers: int = 1):
     # the attention's shape is the heads' (head_dim given): a narrow hidden size keeps the CPU's matmuls cheap
     shape = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 64, "vocab_size": 512, "num_hidden_layers": layers}
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16).eval()
+    return LlamaForCausalLM(LlamaConfig(**shape)).to(dtype).eval()
 
 
-def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = False, prompts=None) -> dict:
+def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = False, prompts=None,
+           dtype: torch.dtype = torch.bfloat16) -> dict:
     """The compiles of `prompts` (pairs as `CALLS`'; default `CALLS`, then `SHORT`) for one method (in this process:
     see `compiles_part` for a fresh one): `{"warm_up": None, or what `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
     import warnings
@@ -109,7 +110,7 @@ def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = F
     from ..warmup import calls, default_workers, warm_up
     from ._common import _calibrated, _make_e2e_cache, _needs_model, _set_attention
 
-    model = _model()
+    model = _model(dtype=dtype)
     if _needs_model(spec):
         _calibrated(model, tokens=256)  # (before the kernels stop running; the cache's build takes this one)
     out = {"warm_up": None, "calls": []}
@@ -147,13 +148,18 @@ ARCHS = (75, 80, 86, 89, 90, 100, 120)
 FAMILIES = ("fp8-e4m3", "fp8-e5m2", "int4-g32", "kivi-2", "kvquant-4", "turboquant-3.5")
 
 
+# The model dtype each architecture is compiled with: fp16 where users run fp16 (Turing has no bf16; RTX 30xx), bf16
+# elsewhere (the census's sm_90 is bf16 too)
+ARCH_DTYPES = {75: torch.float16, 86: torch.float16}
+
+
 def arch_census(arch: int, specs=FAMILIES) -> dict[str, list[dict]]:
-    """Each of `specs`' kernels compiled for sm_<arch> (in this process): a prompt in chunks of 64 (the pack
-    kernel, and the chunk kernel over what the first chunk stored) and its decode steps -> `{spec: [{"kernel",
-    "error"} of each compile that failed, and of a call that stopped]}`."""
+    """Each of `specs`' kernels compiled for sm_<arch> (in this process) for a model in `ARCH_DTYPES`' dtype: a prompt
+    in chunks of 64 (the pack kernel, and the chunk kernel over what the first chunk stored) and its decode steps ->
+    `{spec: [{"kernel", "error"} of each compile that failed, and of a call that stopped]}`."""
     found = {}
     for spec in specs:
-        row = census(spec, 64, arch, prompts=((100, ()),))
+        row = census(spec, 64, arch, prompts=((100, ()),), dtype=ARCH_DTYPES.get(arch, torch.bfloat16))
         found[spec] = [dict(kernel=x["kernel"], error=x["error"]) for c in row["calls"] for x in c["compiles"]
                        if x["error"]] + [dict(kernel=c["call"], error=c["error"]) for c in row["calls"] if c["error"]]
     return found

@@ -1,5 +1,5 @@
-"""The calibration artifact: one `.safetensors` file per calibration of a model (DESIGN.md, "Calibration
-artifacts"). Tensors, per layer `i` (Hkv = kv-heads, D = head_dim, b = bits):
+"""The calibration artifact: one `.safetensors` file per calibration of a model (README.md,
+"Calibration"). Tensors, per layer `i` (Hkv = kv-heads, D = head_dim, b = bits):
 
 - `layers.{i}.k_amax`, `layers.{i}.v_amax` `(Hkv,)`: the largest |K| (after RoPE, as caches store it) and |V|
   per kv-head over the calibration text.

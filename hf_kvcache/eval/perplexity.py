@@ -1,4 +1,4 @@
-"""Perplexity through a cache, under the protocols of DESIGN.md ("Evaluation protocols").
+"""Perplexity through a cache, under the protocols of docs/evaluation.md.
 
 - **Decode** (`decode_perplexity`, the default): windows in one batch, a prefill of `prefill` tokens through a fresh
   cache (one forward, as `generate` prefills), then `decode` tokens fed one at a time, teacher-forced, each scored.

@@ -20,7 +20,7 @@ BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Everything a run measures. The defaults are DESIGN.md's decode protocol at its CPU size (8 windows, a prefill
+    """Everything a run measures. The defaults are the decode protocol (docs/evaluation.md) at its CPU size (8 windows, a prefill
     of 1024 tokens, 64 decoded), so figures compare across runs; `QUICK` shrinks every size for tests.
 
     `protocols`: "decode" (prefill `prefill` tokens, then `decode_tokens` fed one at a time; one result per prefill

@@ -1,5 +1,5 @@
-"""Which implementation runs: the Triton kernels or the plain-PyTorch reference (STYLE.md: the reference is
-always selectable).
+"""Which implementation runs: the Triton kernels or the plain-PyTorch reference (the reference is always
+selectable: a kernel accelerates it, never replaces it as the statement of the math).
 
 - `"auto"` (default): the kernels on CUDA tensors, the reference on CPU.
 - `"torch"`: the reference everywhere.

@@ -1,7 +1,7 @@
 """The launchers as PyTorch operators (`torch.ops.hf_kvcache.*`), for torch.compile.
 
 Dynamo cannot trace a launcher's Python (grids, strides, dataclasses) and Inductor, meeting a plain `@triton.jit`
-kernel, tries to rebuild it (DESIGN.md's pitfall: it failed on our pack kernel). Under torch.compile every
+kernel, tries to rebuild it (it failed on our pack kernel). Under torch.compile every
 launcher (the `*_launch` modules; the attention's through `dispatch.static_decode_attention`) calls itself through
 one of these custom operators instead: opaque to the compiler, with a fake implementation giving the output's shape,
 and captured as is by CUDA graphs. Eager code calls the launchers directly, which saves the dispatcher's host time.
