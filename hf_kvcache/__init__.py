@@ -16,7 +16,6 @@ from .methods.rotated import RotatedCache
 from .methods.turboquant import TurboQuantCache
 from .models import DEFAULT_MODEL, load_model
 from .patching import unfuse
-from .planner import plan
 from .presets import PRESETS, describe, make_cache
 from .warmup import warm_up
 
@@ -48,3 +47,13 @@ __all__ = [
 ]
 
 _register_attention()
+
+
+def __getattr__(name: str):
+    # The planner (and the evaluation's byte counts below it) is tooling: loaded at its first use, not by the import
+    # that every `generate` user makes.
+    if name == "plan":
+        from .planner import plan
+
+        return plan
+    raise AttributeError(f"module 'hf_kvcache' has no attribute {name!r}")

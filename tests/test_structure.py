@@ -193,6 +193,31 @@ def test_importing_the_package_never_imports_triton():
     assert not triton, f"imported with the package, these import Triton at import time: {triton}"
 
 
+def _imported_with_the_package() -> set[str]:
+    """The package's modules that `import hf_kvcache` runs (imports at module level, followed)."""
+    graph = _imports()
+    seen, todo = set(), [PACKAGE]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += [target for target, at_import, _ in graph[module] if at_import]
+    return seen
+
+
+# Tooling: loaded when used (the command line, evaluation, benchmarks, planning, calibrating), never by the import of a
+# user who only runs `generate`
+TOOLING = ("hf_kvcache.eval", "hf_kvcache.bench", "hf_kvcache.planner", "hf_kvcache.footprint", "hf_kvcache.cli")
+
+
+def test_importing_the_package_loads_no_tooling():
+    """`import hf_kvcache` runs none of the evaluation, the benchmarks, the planner (and its footprint) or the command
+    line: `hf_kvcache.plan` loads the planner at its first use. It used to load all of the evaluation (passkey,
+    perplexity) through `plan`."""
+    loaded = sorted(m for m in _imported_with_the_package() if m.startswith(TOOLING))
+    assert not loaded, f"imported with the package: {loaded}"
+
+
 def test_every_package_is_installed():
     """`pyproject.toml` lists the packages setuptools installs: a new subpackage missing there works from a checkout
     (and an editable install) but not from a wheel."""
