@@ -28,7 +28,8 @@ import os
 import torch
 
 from .kernels import backend
-from .kernels.layout import CodebookFormat, NUQFormat, StreamTensors
+from .kernels.formats import reader_of
+from .kernels.layout import StreamTensors
 from .kernels.turbo_launch import _into_frame
 from .kernels.workspace_launch import gather_codebook, gather_places
 
@@ -89,7 +90,8 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
     stop = held - tq  # history tokens
     folded = query.reshape(b, hkv, g * tq, d)  # rows (g, t) of each kv-head: a view when the query is contiguous
     parts = []
-    if isinstance(keys.fmt, CodebookFormat):
+    history = reader_of(keys.fmt).history
+    if history == "codebook":
         n_body = _codebook_body(held, stop, static)
         frame_q = _into_frame(query, keys.fmt.frame(query.device), hkv).to(query.dtype).reshape(b, hkv, g * tq, d)
         vframe = values.fmt.frame(query.device)
@@ -107,7 +109,7 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
             starts = None if pads is None else [p if p < n_sink else n_sink + max(p - n_sink - n_body, 0)
                                                 for p in pads]
             parts.append(_attend_from(folded, wk, wv, False, scaling, starts))
-    elif isinstance(keys.fmt, NUQFormat):
+    elif history == "reference":
         pos = 0
         for k, v in layer.iter_kv_chunks(k_new, v_new, chunk_tokens=_piece_tokens(query, hkv)):
             if pos >= stop:

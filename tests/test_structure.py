@@ -218,6 +218,36 @@ def test_importing_the_package_loads_no_tooling():
     assert not loaded, f"imported with the package: {loaded}"
 
 
+# The format classes of `kernels/layout.py`, and where a test of a value's class against them may stand: the layout
+# itself, the registry of their readers, and the methods whose codecs build them
+FORMATS = {"PackedFormat", "NUQFormat", "CodebookFormat"}
+FORMAT_HOMES = {"hf_kvcache.kernels.layout", "hf_kvcache.kernels.formats", "hf_kvcache.methods.kvquant",
+                "hf_kvcache.methods.turboquant"}
+
+
+def _format_class_tests(tree: ast.AST) -> list[int]:
+    """Lines of `isinstance(x, F)` (or a tuple holding F) with F a format class."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(isinstance(k, (ast.Name, ast.Attribute)) and (getattr(k, "id", None) or k.attr) in FORMATS
+                   for k in kinds):
+                found.append(node.lineno)
+    return found
+
+
+def test_a_format_is_read_through_its_reader_not_tested_by_class():
+    """The dispatchers ask a layer's format for its reader (`kernels.formats.READERS`: whether its kernel can read the
+    layer, its launcher, its operator, its prefill read); no module outside the formats' own tests a format's class,
+    which is what made each new format four `isinstance` chains (`dispatch.py` three times, `prefill.py`)."""
+    found = {f"{module}:{line}" for module in _modules() if module not in FORMAT_HOMES
+             for line in _format_class_tests(_tree(module))}
+    assert not found, f"a format class tested outside its homes: {sorted(found)}"
+    assert _format_class_tests(ast.parse("isinstance(f, (int, CodebookFormat))\nisinstance(f, lay.NUQFormat)")) == [1, 2]
+
+
 def test_every_package_is_installed():
     """`pyproject.toml` lists the packages setuptools installs: a new subpackage missing there works from a checkout
     (and an editable install) but not from a wheel."""

@@ -19,6 +19,20 @@ from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 COMBINE_PARTS = 16
 
 
+def supports_packed(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, static: bool) -> str | None:
+    """What the decode kernel cannot read of a `PackedFormat` layer (`dispatch.supports` checked the rest), else
+    None."""
+    d = query.shape[-1]
+    if values.fmt.token_group != 1:
+        return "values grouped along tokens"
+    for st in (keys, values):
+        if st.fmt.kind == "uniform" and st.fmt.token_group > 1 and st.fmt.token_group not in (16, 32, 64, 128):
+            return f"token group {st.fmt.token_group}"
+    if keys.fmt.token_group > 1 and not _planes(keys.fmt, d, keys=True):
+        return f"per-channel {keys.fmt.bits}-bit keys need head_dim >= {16 * 8 // keys.fmt.bits} (bit planes of 16)"
+    return None
+
+
 def _fmt_code(kind: str, fp8_native: bool = True) -> int:
     """A format's `decode.FMT_*` code; fp8 by its bits where the target has no fp8 conversions (`launch.fp8_native`)."""
     from . import decode

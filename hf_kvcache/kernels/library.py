@@ -321,3 +321,38 @@ def static_turbo_attention(
 def _(query, *args, **kwargs):
     b, hq, tq, d = query.shape
     return query.new_empty((b, tq, hq, d))
+
+
+# ------------------------------------------------------------------ the operators' calls, one a format class
+
+
+def traced_packed(query, keys, values, k_new, v_new, static: StaticLayout, *, exact_new, attention_mask, scaling,
+                  softcap=None, s_aux=None):
+    """`static_attention` over a `PackedFormat` layer (`dispatch.static_decode_attention` under torch.compile)."""
+    layout = [static.sink_tokens, static.key_ring, static.value_ring, int(static.key_window), int(static.value_window),
+              static.capacity]
+    return torch.ops.hf_kvcache.static_attention(
+        query, *stream_tensors(keys), *stream_tensors(values), k_new, v_new, static.length, attention_mask, s_aux,
+        fmt_ints(keys), fmt_ints(values), layout, exact_new, float(scaling), float(softcap or 0.0), softcap is not None,
+    )
+
+
+def traced_nuq(query, keys, values, k_new, v_new, static: StaticLayout, *, exact_new, attention_mask, scaling,
+               softcap=None, s_aux=None):
+    """`static_nuq_attention` over an `NUQFormat` layer (KVQuant)."""
+    return torch.ops.hf_kvcache.static_nuq_attention(
+        query, *nuq_tensors(keys), *nuq_tensors(values), k_new, v_new, static.length, attention_mask, s_aux,
+        nuq_ints(keys), nuq_ints(values), [static.sink_tokens, static.capacity], float(keys.fmt.rope_scale),
+        exact_new, float(scaling), float(softcap or 0.0), softcap is not None,
+    )
+
+
+def traced_codebook(query, keys, values, k_new, v_new, static: StaticLayout, *, exact_new, attention_mask, scaling,
+                    softcap=None, s_aux=None):
+    """`static_turbo_attention` over a `CodebookFormat` layer (TurboQuant)."""
+    return torch.ops.hf_kvcache.static_turbo_attention(
+        query, *turbo_tensors(keys), *turbo_tensors(values), k_new, v_new, static.length, attention_mask, s_aux,
+        turbo_ints(keys), turbo_ints(values), turbo_books(keys), turbo_books(values),
+        [static.sink_tokens, static.key_ring, int(static.key_window), static.capacity], exact_new, float(scaling),
+        float(softcap or 0.0), softcap is not None,
+    )

@@ -14,6 +14,14 @@ from .launch import (TUNING, _PACK_BLOCK_T, _bh_t_strides, _compiling, _compute_
 from .layout import NUQFormat, StaticLayout, StreamTensors
 
 
+def supports_nuq(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, static: bool) -> str | None:
+    """What KVQuant's kernel cannot read of a NUQ layer (`dispatch.supports` checked the rest), else None."""
+    if keys.fmt.mid is None:
+        return "NUQ keys without their codebook's midpoints"
+    d = query.shape[-1]
+    return None if d >= 32 else f"NUQ keys are rotated in halves of >= 16 channels, not head_dim {d}"
+
+
 @on_input_device
 def nuq_attention(
     query: torch.Tensor,

@@ -13,9 +13,22 @@ import torch
 from . import backend
 from .decode_launch import _combine
 from .hadamard_launch import rotate_rows
-from .launch import (TUNING, _compute_dtype, _length_args, _mask_args, _partials, _place, _split_k, _step_counts,
-                     on_input_device, operand_copy)
+from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _partials, _place, _split_k,
+                     _step_counts, head_dim_ok, on_input_device, operand_copy)
 from .layout import StaticLayout, StreamTensors
+
+
+def supports_codebook(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, static: bool) -> str | None:
+    """What TurboQuant's kernel cannot read of a codebook layer (`dispatch.supports` checked the rest), else None."""
+    if static and _len(keys.residual) != _len(values.residual):
+        return "a static TurboQuant layer with residual windows of two lengths"
+    for fmt in (keys.fmt, values.fmt):
+        if len(fmt.parts) > 2:
+            return f"{len(fmt.parts)} codebook parts"
+        for part in fmt.parts:
+            if part.bits not in (2, 3, 4) or not head_dim_ok(part.width):
+                return f"a codebook part of {part.width} channels at {part.bits} bits"
+    return None
 
 
 def codebook_args(st: StreamTensors, dummy: torch.Tensor, dtype: torch.dtype | None) -> tuple[list, list]:
