@@ -153,7 +153,7 @@ def _pieces(query: torch.Tensor, hkv: int, n_tokens: int):
 
 def _codebook_body(held: int, stop: int, static) -> int:
     """The packed body tokens among the first `stop` of the `held` tokens (sinks first): the host's twin of
-    `turbo._turbo_attn`'s STATIC counts (`decode._static_places`)."""
+    `turbo._turbo_attn`'s STATIC counts (`tiles.static_places`)."""
     n_sink = min(held, static.sink_tokens)
     after = held - n_sink
     ring = static.key_ring

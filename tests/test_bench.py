@@ -95,7 +95,7 @@ def test_warm_up_compiles_every_variant_the_calls_launch():
 
 def test_tiles_built_from_codes_reach_the_products_as_16_bit_operands():
     """The tiles of `int4-g32` (grouped fp16 planes) and `turboquant-3` (looked-up codebook tiles) go through
-    `decode._opaque`: compiled for sm_90, every product's operands take the 16-bit layout (kWidth 2, read by
+    `tiles.opaque`: compiled for sm_90, every product's operands take the 16-bit layout (kWidth 2, read by
     ldmatrix) where Triton, following the loads, views and joins back to the codes, gave them the 8-bit one (kWidth
     4) and ptxas copied each fragment into place before every mma. Triton 3.6: 42.8 -> 32.7 and 60.5 -> 48.1
     instructions a held token (on the H100 at batch 16 x 32k, 472.4 -> 414.0 and 547.6 -> 506.7 us a layer); Triton

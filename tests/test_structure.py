@@ -248,6 +248,22 @@ def test_a_format_is_read_through_its_reader_not_tested_by_class():
     assert _format_class_tests(ast.parse("isinstance(f, (int, CodebookFormat))\nisinstance(f, lay.NUQFormat)")) == [1, 2]
 
 
+KERNEL_MODULES = ("decode", "turbo", "nuq", "workspace", "pack", "tiles")
+
+
+def test_kernel_modules_share_device_functions_by_public_names():
+    """The Triton device functions that several kernels use live in `kernels/tiles.py` under public names; a kernel
+    module imports no underscore name of another (turbo, nuq and workspace took up to ten of decode's private ones)."""
+    private = []
+    for name in KERNEL_MODULES:
+        module = f"{PACKAGE}.kernels.{name}"
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.ImportFrom) and node.level and (node.module or "") in KERNEL_MODULES:
+                private += [f"{module}:{node.lineno} {alias.name}" for alias in node.names
+                            if alias.name.startswith("_")]
+    assert not private, f"private names imported between kernel modules: {private}"
+
+
 def test_every_package_is_installed():
     """`pyproject.toml` lists the packages setuptools installs: a new subpackage missing there works from a checkout
     (and an editable install) but not from a wheel."""

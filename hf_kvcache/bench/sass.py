@@ -125,7 +125,7 @@ def count(spec: str, arch: int = 90) -> dict:
     warps, block_n = kernel.metadata.num_warps, kw["BLOCK_N"]
     per_token = len(loop) * warps / block_n
     token_bytes = layer.nbytes() / (hkv * (HELD + 1))  # K and V of one token of one kv head, scales included
-    # the products' operand layouts: kWidth 4 is the 8-bit operands' (`decode._opaque` says why it matters)
+    # the products' operand layouts: kWidth 4 is the 8-bit operands' (`tiles.opaque` says why it matters)
     k_widths = sorted({int(w) for w in re.findall(r"kWidth = (\d+)", kernel.asm["ttgir"])})
     return dict(method=spec, arch=arch, kernel=name, warps=warps, block_n=block_n, shared=kernel.metadata.shared,
                 **use, loop_instructions=len(loop), instructions_per_token=per_token, bytes_per_token=token_bytes,

@@ -53,7 +53,7 @@ def _planes(fmt, head_dim: int, keys: bool) -> bool:
 
 def _fp16_exact(fmt, head_dim: int, keys: bool) -> bool:
     """Whether the body converts this stream's codes to fp16 exactly and multiplies nothing else into that operand:
-    fp8, or integer codes of one group per token row read as planes (c - 2^(bits-1), `decode._plane`). Per-channel
+    fp8, or integer codes of one group per token row read as planes (c - 2^(bits-1), `tiles.plane`). Per-channel
     key blocks (q * scale) and whole-tile dequantization (code * scale + zero) are not: their operands could leave
     fp16's range."""
     if fmt.kind in FP8_KINDS:
@@ -73,7 +73,7 @@ def _product_dtype(query: torch.Tensor, keys, values) -> torch.dtype:
 
 
 def _magic_offset(fmt, dtype: torch.dtype) -> int:
-    """OFF of `decode._plane` for products in `dtype`: 128 for codes below 128 in bf16, 1024 in fp16, 0 (a plain
+    """OFF of `tiles.plane` for products in `dtype`: 128 for codes below 128 in bf16, 1024 in fp16, 0 (a plain
     conversion) otherwise."""
     if fmt.kind != "uniform" or backend.interpreting():
         return 0
@@ -84,7 +84,7 @@ def _magic_offset(fmt, dtype: torch.dtype) -> int:
 
 def _group_fp16(fmt, dtype: torch.dtype, head_dim: int, planes: bool) -> bool:
     """Whether the body dequantizes this stream's whole tiles of channel groups in fp16, by plane
-    (`decode._group_planes`): per-token groups of 2- or 4-bit codes of a 16-bit model (`dtype`: the query's), each
+    (`tiles.group_planes`): per-token groups of 2- or 4-bit codes of a 16-bit model (`dtype`: the query's), each
     plane at least 16 wide (an operand of products) and a group whole planes wide."""
     if fmt.kind != "uniform" or planes or fmt.token_group != 1 or fmt.bits >= 8:
         return False
@@ -94,17 +94,17 @@ def _group_fp16(fmt, dtype: torch.dtype, head_dim: int, planes: bool) -> bool:
 
 
 def _plane_asm(fmt, dtype: torch.dtype, head_dim: int, planes: bool) -> str:
-    """The PTX `decode._planes` splits a stream's bit planes with (`decode.plane_asm`), or "" (Triton's own integer
+    """The PTX `tiles.planes` splits a stream's bit planes with (`tiles.plane_asm`), or "" (Triton's own integer
     operations): planes read with a magic offset (`_magic_offset`), and grouped tiles dequantized in fp16
     (`_group_fp16`, at 1024), on the GPU, with `TUNING["plane_asm"]`."""
-    from . import decode
+    from . import tiles
 
     if fmt.kind != "uniform" or not TUNING["plane_asm"] or backend.interpreting():
         return ""
     if not planes:
-        return decode.plane_asm(fmt.bits, 1024) if _group_fp16(fmt, dtype, head_dim, planes) else ""
+        return tiles.plane_asm(fmt.bits, 1024) if _group_fp16(fmt, dtype, head_dim, planes) else ""
     off = _magic_offset(fmt, dtype)
-    return decode.plane_asm(fmt.bits, off) if off else ""
+    return tiles.plane_asm(fmt.bits, off) if off else ""
 
 
 def _packed_args(st: StreamTensors, dummy: torch.Tensor, head_dim: int) -> list:
@@ -207,7 +207,7 @@ def packed_attention(
     ]
     k_gp = _group_fp16(keys.fmt, query.dtype, d, _planes(keys.fmt, d, keys=True))
     v_gp = _group_fp16(values.fmt, query.dtype, d, _planes(values.fmt, d, keys=False))
-    # The products' operands behind `decode._opaque` where both streams are grouped fp16 planes: measured on the
+    # The products' operands behind `tiles.opaque` where both streams are grouped fp16 planes: measured on the
     # H100 at batch 16 x 32k (2026-12-05, on against off in one run), int4-g32 472.4 -> 414.0 us; fp8-e4m3 (401.9 ->
     # 416.3), int8 (418.6 -> 473.5) and KIVI-2 (669.8 -> 755.4), whose counts fell as well, lost, so they keep the
     # operand layout Triton picks (HF_KVCACHE_OPERAND_COPY=all gives it to every format, to measure the others).

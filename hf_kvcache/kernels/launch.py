@@ -46,11 +46,11 @@ TUNING = {
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
     # a decode step's mask row loaded one tile ahead in the body loops (`decode._attn_fwd`, `turbo._turbo_attn`)
     "mask_ahead": os.environ.get("HF_KVCACHE_MASK_AHEAD", "1") == "1",
-    # integer codes split by inline PTX, two elements a 32-bit register (`decode.plane_asm`): bit planes
-    # (`decode._planes`) and a 16-bit model's grouped tiles, then dequantized in fp16 by plane (`decode._group_planes`),
+    # integer codes split by inline PTX, two elements a 32-bit register (`tiles.plane_asm`): bit planes
+    # (`tiles.planes`) and a 16-bit model's grouped tiles, then dequantized in fp16 by plane (`tiles.group_planes`),
     # instead of Triton's integer operations on one element at a time (and grouped tiles in fp32, joined)
     "plane_asm": os.environ.get("HF_KVCACHE_PLANE_ASM", "1") == "1",
-    # 16-bit product operands built from codes behind an opaque copy (`decode._opaque`), so that Triton lays them out
+    # 16-bit product operands built from codes behind an opaque copy (`tiles.opaque`), so that Triton lays them out
     # as 16-bit operands (ldmatrix, no copies before each mma) rather than as the bytes they came from: "1" where it
     # measured faster (TurboQuant's looked-up tiles, KVQuant's, the decode kernel where both streams are grouped fp16
     # planes; BENCHMARKS.md 2026-12-05, ninth session), "0" nowhere, "all" every decode kernel too (to measure)
@@ -79,7 +79,7 @@ TUNING = {
 
 def fp8_native(device: torch.device) -> bool:
     """Whether the kernels on `device` convert FP8 with the hardware's instructions (`cvt` to and from e4m3/e5m2, sm_89
-    on) rather than by integer operations on the bits (`pack._fp8_bits`, `decode._fp8_bits_to_f16`): the same bytes and
+    on) rather than by integer operations on the bits (`pack._fp8_bits`, `tiles.fp8_bits_to_f16`): the same bytes and
     values either way. The interpreter converts natively."""
     mode = TUNING["fp8_convert"]
     if mode not in ("auto", "bits"):
@@ -91,7 +91,7 @@ def fp8_native(device: torch.device) -> bool:
 
 
 def operand_copy(measured_faster: bool) -> bool:
-    """Whether a launch takes `decode._opaque` (`TUNING["operand_copy"]`): `measured_faster` says whether its format is
+    """Whether a launch takes `tiles.opaque` (`TUNING["operand_copy"]`): `measured_faster` says whether its format is
     one where the copy measured faster."""
     mode = TUNING["operand_copy"]
     if mode not in ("0", "1", "all"):

@@ -25,8 +25,8 @@ import functools
 import triton
 import triton.language as tl
 
-from .decode import _dot, _finish_scores, _mask_scores, _softmax_step
-from .pack import _fp16_outward
+from .tiles import dot, finish_scores, fp16_outward, mask_scores, softmax_step
+
 
 
 @triton.jit
@@ -241,7 +241,7 @@ def _nuq_attn(
     V_SP: tl.constexpr, FAST_TRIG: tl.constexpr, LOOKUP: tl.constexpr, K_ASM: tl.constexpr,
     V_ASM: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, H16: tl.constexpr = False,
-    B_COPY: tl.constexpr = False,  # the products' tiles through `decode._opaque`
+    B_COPY: tl.constexpr = False,  # the products' tiles through `tiles.opaque`
 ):
     """Programs (batch row x kv-head, split, tile of query rows). Splits below `n_splits` take ranges of the
     packed tokens `[0, n_body)` (the last tile masked); split `n_splits` takes the exact tokens (sink, residual,
@@ -328,15 +328,15 @@ def _nuq_attn(
                 r1 = k1 * cos - k2 * sin
                 k2 = k2 * cos + k1 * sin
                 k1 = r1
-            s = _dot(q1, tl.trans(k1.to(QT)), PREC, B_COPY) + _dot(q2, tl.trans(k2.to(QT)), PREC, B_COPY)
-            s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
-            s = _mask_scores(s, MASK, b, t, n_sink + tok, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
-            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            s = dot(q1, tl.trans(k1.to(QT)), PREC, B_COPY) + dot(q2, tl.trans(k2.to(QT)), PREC, B_COPY)
+            s = finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
+            s = mask_scores(s, MASK, b, t, n_sink + tok, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             v_mid = ((v_hi + v_lo) / 2)[:, None].to(AT)
             v_half = ((v_hi - v_lo) / 2)[:, None].to(AT)
             vt = _dequant(vw, vi, vv, VCB, 0, v_mid, v_half, V_BITS, V_S, V_SP, LOOKUP, V_ASM,
                           vt0, vt1, vt2, vt3, vt4, vt5, vt6, vt7, H16)
-            acc = acc * alpha[:, None] + _dot(p.to(QT), vt.to(QT), PREC, B_COPY)
+            acc = acc * alpha[:, None] + dot(p.to(QT), vt.to(QT), PREC, B_COPY)
     else:
         # ------------------------------------------------------------------ exact tokens
         q = tl.load(Q + qoff[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
@@ -360,12 +360,12 @@ def _nuq_attn(
             ok = kpos < limit
             kt = _dense_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
-            s = _finish_scores(_dot(q, tl.trans(kt.to(DT)), PREC, B_COPY), sm_scale, softcap, HAS_SOFTCAP)
-            s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
-            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            s = finish_scores(dot(q, tl.trans(kt.to(DT)), PREC, B_COPY), sm_scale, softcap, HAS_SOFTCAP)
+            s = mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             vt = _dense_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt.to(DT), PREC, B_COPY)
+            acc = acc * alpha[:, None] + dot(p.to(DT), vt.to(DT), PREC, B_COPY)
     tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
@@ -445,8 +445,8 @@ def _pack_nuq(
         nrm = tl.math.div_rn(x - tl.load(MID + h * D + d)[None, :], tl.load(HALF_ + h * D + d)[None, :])
     else:
         chosen = _top_slots(tl.abs(x), x, d[None, :], OI, OV, so, tok < T, S, False, D)
-        v_lo = _fp16_outward(tl.min(tl.where(chosen, float("inf"), x), 1), False)
-        v_hi = _fp16_outward(tl.max(tl.where(chosen, float("-inf"), x), 1), True)
+        v_lo = fp16_outward(tl.min(tl.where(chosen, float("inf"), x), 1), False)
+        v_hi = fp16_outward(tl.max(tl.where(chosen, float("-inf"), x), 1), True)
         sv = b * sv_b + h * sv_h + tok * sv_t
         tl.store(VLO + sv, v_lo.to(tl.float16), mask=tok < T)
         tl.store(VHI + sv, v_hi.to(tl.float16), mask=tok < T)

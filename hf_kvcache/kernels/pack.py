@@ -12,30 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tiles import fp16_outward, rint
+
 _FP16_MAX = 65504.0
-
-
-@triton.jit
-def _rint(x):
-    """Round half to even (torch.round) for |x| < 2^22: adding and removing 1.5 * 2^23 leaves no fraction bits."""
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _fp16_outward(x, UP: tl.constexpr):
-    """The fp16 value nearest to float32 `x` that is >= x (UP) or <= x, as float32 (`quant.round_fp16`)."""
-    x = tl.minimum(tl.maximum(x, -65504.0), 65504.0)
-    h = x.to(tl.float16)
-    hf = h.to(tl.float32)
-    bits = h.to(tl.uint16, bitcast=True).to(tl.int32)
-    negative = (bits & 0x8000) != 0
-    if UP:
-        step = tl.where(negative, bits - 1, bits + 1)
-        out = tl.where(hf < x, step, bits)
-    else:
-        step = tl.where(bits == 0, 0x8001, tl.where(negative, bits + 1, bits - 1))
-        out = tl.where(hf > x, step, bits)
-    return out.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -74,16 +53,16 @@ def _pack_per_token(
     x = x.to(tl.float32)  # (BLOCK_T, NG, CHG)
     if SYM:
         qmax = (1 << (BITS - 1)) - 1
-        scale = _fp16_outward(tl.math.div_rn(tl.max(tl.abs(x), 2), qmax * 1.0), True)  # (BLOCK_T, NG)
+        scale = fp16_outward(tl.math.div_rn(tl.max(tl.abs(x), 2), qmax * 1.0), True)  # (BLOCK_T, NG)
         safe = tl.where(scale > 0, scale, 1.0)
-        q = _rint(tl.math.div_rn(x, safe[:, :, None]))
+        q = rint(tl.math.div_rn(x, safe[:, :, None]))
         q = tl.minimum(tl.maximum(q, -qmax * 1.0), qmax * 1.0) + (1 << (BITS - 1))
     else:
         qmax = (1 << BITS) - 1
-        zero = _fp16_outward(tl.min(x, 2) * clip, False)
-        scale = _fp16_outward(tl.math.div_rn(tl.max(x, 2) * clip - zero, qmax * 1.0), True)
+        zero = fp16_outward(tl.min(x, 2) * clip, False)
+        scale = fp16_outward(tl.math.div_rn(tl.max(x, 2) * clip - zero, qmax * 1.0), True)
         safe = tl.where(scale > 0, scale, 1.0)
-        q = _rint(tl.math.div_rn(x - zero[:, :, None], safe[:, :, None]))
+        q = rint(tl.math.div_rn(x - zero[:, :, None], safe[:, :, None]))
         q = tl.minimum(tl.maximum(q, 0.0), qmax * 1.0)
         tl.store(Z + b * ss_b + h * ss_h + tok[:, None] * ss_t + j[None, :], zero.to(tl.float16), mask=ok[:, None])
     tl.store(SC + b * ss_b + h * ss_h + tok[:, None] * ss_t + j[None, :], scale.to(tl.float16), mask=ok[:, None])
@@ -144,10 +123,10 @@ def _per_channel_block(X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, b, h, blk, tok, d
     qmax = (1 << BITS) - 1
     lo = tl.min(x, 0)
     hi = tl.max(x, 0)
-    zero = _fp16_outward(lo, False)
-    scale = _fp16_outward(tl.math.div_rn(hi - zero, qmax * 1.0), True)
+    zero = fp16_outward(lo, False)
+    scale = fp16_outward(tl.math.div_rn(hi - zero, qmax * 1.0), True)
     safe = tl.where(scale > 0, scale, 1.0)
-    q = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x - zero[None, :], safe[None, :])), 0.0), qmax * 1.0)
+    q = tl.minimum(tl.maximum(rint(tl.math.div_rn(x - zero[None, :], safe[None, :])), 0.0), qmax * 1.0)
     if SEARCH:
         dq = q * scale[None, :] + zero[None, :] - x
         best = tl.sum(dq * dq, 0)
@@ -160,10 +139,10 @@ def _per_channel_block(X, sx_b, sx_h, sx_t, VALID, sv_b, sv_t, b, h, blk, tok, d
                 if ia + ib > 0:
                     a = tl.where(ia == 0, r0, tl.where(ia == 1, r1, tl.where(ia == 2, r2, tl.where(ia == 3, r3, r4))))
                     bb = tl.where(ib == 0, r0, tl.where(ib == 1, r1, tl.where(ib == 2, r2, tl.where(ib == 3, r3, r4))))
-                    cz = _fp16_outward(lo + a * width, False)
-                    cs = _fp16_outward(tl.math.div_rn(hi - bb * width - cz, qmax * 1.0), True)
+                    cz = fp16_outward(lo + a * width, False)
+                    cs = fp16_outward(tl.math.div_rn(hi - bb * width - cz, qmax * 1.0), True)
                     csafe = tl.where(cs > 0, cs, 1.0)
-                    cq = _rint(tl.math.div_rn(x - cz[None, :], csafe[None, :]))
+                    cq = rint(tl.math.div_rn(x - cz[None, :], csafe[None, :]))
                     cq = tl.minimum(tl.maximum(cq, 0.0), qmax * 1.0)
                     e = cq * cs[None, :] + cz[None, :] - x
                     err = tl.sum(e * e, 0)
@@ -183,7 +162,7 @@ def _fp8_grid(y, MANT: tl.constexpr, EMIN: tl.constexpr):
     p = tl.maximum(e, EMIN) - MANT
     step = ((p + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - p) << 23).to(tl.float32, bitcast=True)  # powers of two: both products are exact
-    return _rint(y * inv) * step
+    return rint(y * inv) * step
 
 
 @triton.jit

@@ -41,70 +41,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import (_dot, _dot_into, _finish_scores, _mask_scores, _opaque, _planes_into, _q_plane, _softmax_step,
-                     _static_places, _unpack)
+from .tiles import (centroids, codes_3bit, dot, dot_into, exact_tile, finish_scores, mask_scores, norms,
+                    planes_into, q_plane, softmax_step, static_places, unpack)
+
 
 LOOKUP_LOAD = 1
 LOOKUP_REGISTERS = 2
-
-
-@triton.jit
-def _tree8(a0, a1, a2, a3, a4, a5, a6, a7):
-    """Eight (N, M) tensors -> (N, M, 2, 2, 2) whose reshape to (N, 8M) runs a0..a7 for each of the M columns."""
-    return tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7)))
-
-
-@triton.jit
-def _words(C, tok, ok, s_t, OFF: tl.constexpr, NW: tl.constexpr, WIDE: tl.constexpr):
-    """NW words per row from byte OFF of the rows of tokens `tok (N,)`: int32 words (WIDE) or int16 halves, as int32."""
-    if WIDE:
-        ptr = (C + OFF).to(tl.pointer_type(tl.int32))
-        w = tl.load(ptr + (tok * (s_t // 4))[:, None] + tl.arange(0, NW)[None, :], mask=ok[:, None], other=0)
-    else:
-        ptr = (C + OFF).to(tl.pointer_type(tl.int16))
-        w = tl.load(ptr + (tok * (s_t // 2))[:, None] + tl.arange(0, NW)[None, :], mask=ok[:, None], other=0)
-        w = w.to(tl.int32) & 0xFFFF
-    return w
-
-
-@triton.jit
-def _centroids(C, CB, tok, ok, s_t, BLOCK_N: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
-               LOOKUP: tl.constexpr, ASM: tl.constexpr, PDT: tl.constexpr, COPY: tl.constexpr = False):
-    """codebook[code] of the W channels of one part for tokens `tok (BLOCK_N,)`: (BLOCK_N, W) in PDT (rows not `ok`
-    read code 0: their lengths, loaded as 0, cancel them). COPY: the register lookup's tile, joined from its outputs,
-    through `decode._opaque` (a product's 16-bit operand layout)."""
-    if LOOKUP == 2:
-        if BITS == 4:  # a word: 8 channels
-            w = _words(C, tok, ok, s_t, 0, W // 8, True)
-            o = tl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
-                       tl.float16), is_pure=True, pack=1)
-            x = tl.reshape(_tree8(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]), (BLOCK_N, W))
-        else:  # a word of the 2-bit plane (and the 16 top bits of its channels): 16 channels
-            w = _words(C, tok, ok, s_t, 0, W // 16, True)
-            if BITS == 3:
-                top = _words(C, tok, ok, s_t, W // 4, W // 16, False)
-            else:
-                top = w
-            o = tl.inline_asm_elementwise(
-                ASM, "=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, top],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
-                       tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
-                       tl.float16, tl.float16), is_pure=True, pack=1)
-            x = tl.reshape(tl.join(_tree8(o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14]),
-                                   _tree8(o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15])), (BLOCK_N, W))
-        if COPY:
-            x = _opaque(x)
-    else:
-        ch = tl.arange(0, W)[None, :]
-        row = (tok * s_t)[:, None]
-        if BITS == 3:
-            code = _code3(C, row, ch, ok[:, None], W)
-        else:
-            code = _unpack(C, row, ch, ok[:, None], BITS)
-        x = tl.load(CB + code).to(PDT)
-    return x
 
 
 @triton.jit
@@ -121,17 +63,11 @@ def _half_planes(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, ASM
     else:
         ch = 4 * tl.arange(0, W // 4)[None, :]
         row = (tok * s_t)[:, None]
-        x0 = tl.load(CB + _unpack(C, row, ch, ok[:, None], 4)).to(PDT)
-        x1 = tl.load(CB + _unpack(C, row, ch + 1, ok[:, None], 4)).to(PDT)
-        x2 = tl.load(CB + _unpack(C, row, ch + 2, ok[:, None], 4)).to(PDT)
-        x3 = tl.load(CB + _unpack(C, row, ch + 3, ok[:, None], 4)).to(PDT)
+        x0 = tl.load(CB + unpack(C, row, ch, ok[:, None], 4)).to(PDT)
+        x1 = tl.load(CB + unpack(C, row, ch + 1, ok[:, None], 4)).to(PDT)
+        x2 = tl.load(CB + unpack(C, row, ch + 2, ok[:, None], 4)).to(PDT)
+        x3 = tl.load(CB + unpack(C, row, ch + 3, ok[:, None], 4)).to(PDT)
     return x0, x1, x2, x3
-
-
-@triton.jit
-def _code3(C, row, ch, ok, W: tl.constexpr):
-    """3-bit codes of channels `ch` (the 2-bit plane, then the top bits W / 4 bytes on), as int32."""
-    return _unpack(C, row, ch, ok, 2) | (_unpack(C + W // 4, row, ch, ok, 1) << 2)
 
 
 @triton.jit
@@ -153,52 +89,29 @@ def _eighth_planes(C, CB, tok, ok, s_t, W: tl.constexpr, LOOKUP: tl.constexpr, A
     else:
         ch = 8 * jj[None, :]
         row = (tok * s_t)[:, None]
-        x0 = tl.load(CB + _code3(C, row, ch, ok[:, None], W)).to(PDT)
-        x1 = tl.load(CB + _code3(C, row, ch + 1, ok[:, None], W)).to(PDT)
-        x2 = tl.load(CB + _code3(C, row, ch + 2, ok[:, None], W)).to(PDT)
-        x3 = tl.load(CB + _code3(C, row, ch + 3, ok[:, None], W)).to(PDT)
-        x4 = tl.load(CB + _code3(C, row, ch + 4, ok[:, None], W)).to(PDT)
-        x5 = tl.load(CB + _code3(C, row, ch + 5, ok[:, None], W)).to(PDT)
-        x6 = tl.load(CB + _code3(C, row, ch + 6, ok[:, None], W)).to(PDT)
-        x7 = tl.load(CB + _code3(C, row, ch + 7, ok[:, None], W)).to(PDT)
+        x0 = tl.load(CB + codes_3bit(C, row, ch, ok[:, None], W)).to(PDT)
+        x1 = tl.load(CB + codes_3bit(C, row, ch + 1, ok[:, None], W)).to(PDT)
+        x2 = tl.load(CB + codes_3bit(C, row, ch + 2, ok[:, None], W)).to(PDT)
+        x3 = tl.load(CB + codes_3bit(C, row, ch + 3, ok[:, None], W)).to(PDT)
+        x4 = tl.load(CB + codes_3bit(C, row, ch + 4, ok[:, None], W)).to(PDT)
+        x5 = tl.load(CB + codes_3bit(C, row, ch + 5, ok[:, None], W)).to(PDT)
+        x6 = tl.load(CB + codes_3bit(C, row, ch + 6, ok[:, None], W)).to(PDT)
+        x7 = tl.load(CB + codes_3bit(C, row, ch + 7, ok[:, None], W)).to(PDT)
     return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _norms(N_, tok, ok, sn_t):
-    """The fp16 lengths of tokens `tok (N,)` as float32, 0 where not `ok`."""
-    return tl.load(N_ + tok * sn_t, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _lengths(kna, knb, vna, vnb, tok, ok, skna_t, sknb_t, svna_t, svnb_t, K_TWO: tl.constexpr, V_TWO: tl.constexpr):
     """The lengths of the four parts (keys A, B, values A, B) for tokens `tok`; a single part's B repeats its A."""
-    ka = _norms(kna, tok, ok, skna_t)
+    ka = norms(kna, tok, ok, skna_t)
     kb = ka
     if K_TWO:
-        kb = _norms(knb, tok, ok, sknb_t)
-    va = _norms(vna, tok, ok, svna_t)
+        kb = norms(knb, tok, ok, sknb_t)
+    va = norms(vna, tok, ok, svna_t)
     vb = va
     if V_TWO:
-        vb = _norms(vnb, tok, ok, svnb_t)
+        vb = norms(vnb, tok, ok, svnb_t)
     return ka, kb, va, vb
-
-
-@triton.jit
-def _exact_tile(S_, R_, N_, ss_t, sr_t, sn_t, kpos, d, ok, n_sink, body_end, stop, r_off, DT: tl.constexpr,
-                RING: tl.constexpr):
-    """The exact tokens at positions `kpos (N, 1)` (pointers offset to this batch row and kv-head): sinks below
-    `n_sink`, the residual from `body_end` to `stop` (RING > 0: a ring of RING rows whose oldest token is row
-    `r_off`, the storage's layout), this step's new tokens from `stop`: (N, D) in DT."""
-    stored = ok & (kpos < stop)
-    rk = kpos - body_end
-    if RING > 0:
-        rk = (rk + r_off) % RING
-    nk = kpos - stop
-    x = tl.load(S_ + kpos * ss_t + d, mask=stored & (kpos < n_sink), other=0.0).to(DT)
-    x += tl.load(R_ + rk * sr_t + d, mask=stored & (kpos >= body_end), other=0.0).to(DT)
-    x += tl.load(N_ + nk * sn_t + d, mask=ok & (nk >= 0), other=0.0).to(DT)
-    return x
 
 
 # as `decode._VARYING`: integers that change from step to step are not specialized (no recompiles between tokens)
@@ -228,7 +141,7 @@ def _turbo_attn(
     K_ASM_A: tl.constexpr, K_ASM_B: tl.constexpr, V_ASM_A: tl.constexpr, V_ASM_B: tl.constexpr,
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
     K_PLANES: tl.constexpr = 0, V_PLANES: tl.constexpr = 0, K_ASM_H: tl.constexpr = "",
-    V_ASM_H: tl.constexpr = "", B_COPY: tl.constexpr = False,  # the lookups' tiles through `decode._opaque`
+    V_ASM_H: tl.constexpr = "", B_COPY: tl.constexpr = False,  # the lookups' tiles through `tiles.opaque`
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -238,12 +151,12 @@ def _turbo_attn(
     tokens before the new ones), n_new new.
 
     STATIC (the storage's layout, `hf_kvcache.storage`): the counts come from the device (`LENS`: the tokens held, at
-    most `cap_len`), the residual is a ring of RING rows (`decode._static_places`), the launch is sized for the capacity
+    most `cap_len`), the residual is a ring of RING rows (`tiles.static_places`), the launch is sized for the capacity
     and programs past the filled tiles find empty ranges, as in `decode._attn_fwd`."""
     if STATIC:
         held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
         n_sink = tl.minimum(held, SINK_CAP)
-        n_packed, _, r_off = _static_places(held - n_sink, RING, WINDOW)
+        n_packed, _, r_off = static_places(held - n_sink, RING, WINDOW)
         stop = held - n_new
         n_body = tl.maximum(tl.minimum(n_packed, stop - n_sink), 0)
         tiles_per_split = tl.cdiv(tl.cdiv(n_body, BLOCK_N), tl.maximum(n_splits, 1))
@@ -304,22 +217,22 @@ def _turbo_attn(
             a3 = a0
         if K_PLANES:  # one 4- or 3-bit part: the query by plane (channels K_PLANES * j + i)
             jq = tl.arange(0, D // K_PLANES)
-            q0 = (_q_plane(Q, qoff, row_ok, jq, 0, K_PLANES) * q_pow2).to(PDT)
-            q1 = (_q_plane(Q, qoff, row_ok, jq, 1, K_PLANES) * q_pow2).to(PDT)
-            q2 = (_q_plane(Q, qoff, row_ok, jq, 2, K_PLANES) * q_pow2).to(PDT)
-            q3 = (_q_plane(Q, qoff, row_ok, jq, 3, K_PLANES) * q_pow2).to(PDT)
+            q0 = (q_plane(Q, qoff, row_ok, jq, 0, K_PLANES) * q_pow2).to(PDT)
+            q1 = (q_plane(Q, qoff, row_ok, jq, 1, K_PLANES) * q_pow2).to(PDT)
+            q2 = (q_plane(Q, qoff, row_ok, jq, 2, K_PLANES) * q_pow2).to(PDT)
+            q3 = (q_plane(Q, qoff, row_ok, jq, 3, K_PLANES) * q_pow2).to(PDT)
             q4 = q0
             q5 = q0
             q6 = q0
             q7 = q0
             if K_PLANES == 8:
-                q4 = (_q_plane(Q, qoff, row_ok, jq, 4, 8) * q_pow2).to(PDT)
-                q5 = (_q_plane(Q, qoff, row_ok, jq, 5, 8) * q_pow2).to(PDT)
-                q6 = (_q_plane(Q, qoff, row_ok, jq, 6, 8) * q_pow2).to(PDT)
-                q7 = (_q_plane(Q, qoff, row_ok, jq, 7, 8) * q_pow2).to(PDT)
+                q4 = (q_plane(Q, qoff, row_ok, jq, 4, 8) * q_pow2).to(PDT)
+                q5 = (q_plane(Q, qoff, row_ok, jq, 5, 8) * q_pow2).to(PDT)
+                q6 = (q_plane(Q, qoff, row_ok, jq, 6, 8) * q_pow2).to(PDT)
+                q7 = (q_plane(Q, qoff, row_ok, jq, 7, 8) * q_pow2).to(PDT)
         lo = pid_s * tiles_per_split
         hi = tl.minimum(lo + tiles_per_split, n_tiles)
-        # The lengths are loaded one tile ahead (as `decode._side` loads scales), so that their latency overlaps a
+        # The lengths are loaded one tile ahead (as `tiles.side` loads scales), so that their latency overlaps a
         # tile's work; an empty range loads tile 0's, masked.
         n = tl.arange(0, BLOCK_N)
         first = tl.where(lo < hi, lo, 0) * BLOCK_N + n
@@ -344,30 +257,30 @@ def _turbo_attn(
             if K_PLANES == 4:
                 # one accumulator through the four products (the tensor cores add them)
                 k0, k1, k2, k3 = _half_planes(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_H, PDT)
-                s = _dot(q0, tl.trans(k0), PREC)
-                s = _dot_into(s, q1, tl.trans(k1), PREC)
-                s = _dot_into(s, q2, tl.trans(k2), PREC)
-                s = _dot_into(s, q3, tl.trans(k3), PREC)
+                s = dot(q0, tl.trans(k0), PREC)
+                s = dot_into(s, q1, tl.trans(k1), PREC)
+                s = dot_into(s, q2, tl.trans(k2), PREC)
+                s = dot_into(s, q3, tl.trans(k3), PREC)
                 s = s * (ka_len * unit)[None, :]
             elif K_PLANES == 8:
                 k0, k1, k2, k3, k4, k5, k6, k7 = _eighth_planes(kca, KBA, tok, ok, skca_t, D, LOOKUP, K_ASM_H, PDT)
-                s = _dot(q0, tl.trans(k0), PREC)
-                s = _dot_into(s, q1, tl.trans(k1), PREC)
-                s = _dot_into(s, q2, tl.trans(k2), PREC)
-                s = _dot_into(s, q3, tl.trans(k3), PREC)
-                s = _dot_into(s, q4, tl.trans(k4), PREC)
-                s = _dot_into(s, q5, tl.trans(k5), PREC)
-                s = _dot_into(s, q6, tl.trans(k6), PREC)
-                s = _dot_into(s, q7, tl.trans(k7), PREC)
+                s = dot(q0, tl.trans(k0), PREC)
+                s = dot_into(s, q1, tl.trans(k1), PREC)
+                s = dot_into(s, q2, tl.trans(k2), PREC)
+                s = dot_into(s, q3, tl.trans(k3), PREC)
+                s = dot_into(s, q4, tl.trans(k4), PREC)
+                s = dot_into(s, q5, tl.trans(k5), PREC)
+                s = dot_into(s, q6, tl.trans(k6), PREC)
+                s = dot_into(s, q7, tl.trans(k7), PREC)
                 s = s * (ka_len * unit)[None, :]
             else:
-                kt = _centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT, B_COPY)
-                s = _dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
+                kt = centroids(kca, KBA, tok, ok, skca_t, BLOCK_N, K_WA, K_BA, LOOKUP, K_ASM_A, PDT, B_COPY)
+                s = dot(qa, tl.trans(kt), PREC) * (ka_len * unit)[None, :]
             if K_TWO:
-                kt = _centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT, B_COPY)
-                s += _dot(qb, tl.trans(kt), PREC) * (kb_len * unit)[None, :]
+                kt = centroids(kcb, KBB, tok, ok, skcb_t, BLOCK_N, K_WB, K_BB, LOOKUP, K_ASM_B, PDT, B_COPY)
+                s += dot(qb, tl.trans(kt), PREC) * (kb_len * unit)[None, :]
             if HAS_SOFTCAP:
-                s = _finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
+                s = finish_scores(s, sm_scale, softcap, HAS_SOFTCAP)
             kpos = n_sink + tok
             s = tl.where(ok[None, :], s, float("-inf"))
             if HAS_MASK and MASK_ROW:
@@ -380,19 +293,19 @@ def _turbo_attn(
                 s = tl.where(allowed != 0, s, float("-inf"))
             elif CAUSAL_BODY:
                 s = tl.where(kpos[None, :] <= (s_total - Tq + t)[:, None], s, float("-inf"))
-            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
             # ---- values: the weights times each part's lengths (p <= 1 and an fp16 length: inside fp16's
             # range), then the bare centroids
             if V_PLANES:
                 pv = (p * va_len[None, :]).to(PDT)
                 v0, v1, v2, v3 = _half_planes(vca, VBA, tok, ok, svca_t, D, LOOKUP, V_ASM_H, PDT)
-                a0, a1, a2, a3 = _planes_into(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, 4, PREC)
+                a0, a1, a2, a3 = planes_into(a0, a1, a2, a3, alpha, pv, v0, v1, v2, v3, 4, PREC)
             else:
-                vt = _centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT, B_COPY)
-                acc_a = acc_a * alpha[:, None] + _dot((p * va_len[None, :]).to(PDT), vt, PREC)
+                vt = centroids(vca, VBA, tok, ok, svca_t, BLOCK_N, V_WA, V_BA, LOOKUP, V_ASM_A, PDT, B_COPY)
+                acc_a = acc_a * alpha[:, None] + dot((p * va_len[None, :]).to(PDT), vt, PREC)
             if V_TWO:
-                vt = _centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT, B_COPY)
-                acc_b = acc_b * alpha[:, None] + _dot((p * vb_len[None, :]).to(PDT), vt, PREC)
+                vt = centroids(vcb, VBB, tok, ok, svcb_t, BLOCK_N, V_WB, V_BB, LOOKUP, V_ASM_B, PDT, B_COPY)
+                acc_b = acc_b * alpha[:, None] + dot((p * vb_len[None, :]).to(PDT), vt, PREC)
         ptr = ACC + part[:, None] * D
         if V_PLANES:
             jh = 4 * tl.arange(0, D // 4)
@@ -423,14 +336,14 @@ def _turbo_attn(
             e = i * TAIL_N + n  # the i-th exact token: sinks, then past the body
             ok = e < s_total - n_body
             kpos = tl.where(e < n_sink, e, e + n_body)
-            kt = _exact_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
+            kt = exact_tile(ks, kr, kn, sks_t, skr_t, skn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              body_end, stop, r_off, DT, RING)
-            s = _finish_scores(_dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
-            s = _mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
-            m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-            vt = _exact_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
+            s = finish_scores(dot(qd, tl.trans(kt), PREC), sm_scale, softcap, HAS_SOFTCAP)
+            s = mask_scores(s, MASK, b, t, kpos, ok, row_ok, sm_b, sm_t, sm_s, s_total, Tq, HAS_MASK)
+            m_i, alpha, p, l_i = softmax_step(s, m_i, l_i)
+            vt = exact_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              body_end, stop, r_off, DT, RING)
-            acc = acc * alpha[:, None] + _dot(p.to(DT), vt, PREC)
+            acc = acc * alpha[:, None] + dot(p.to(DT), vt, PREC)
         tl.store(ACC + part[:, None] * D + d[None, :], acc)
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
@@ -440,7 +353,7 @@ def _turbo_attn(
 def _lookup_probe(C, OUT, CB, s_t, W: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, N: tl.constexpr):
     """The register lookup alone (tests): `OUT (N, W) fp16` = codebook[code] of N rows of one part's codes."""
     tok = tl.arange(0, N)
-    x = _centroids(C, CB, tok, tok < N, s_t, N, W, BITS, 2, ASM, tl.float16)
+    x = centroids(C, CB, tok, tok < N, s_t, N, W, BITS, 2, ASM, tl.float16)
     tl.store(OUT + tok[:, None] * W + tl.arange(0, W)[None, :], x)
 
 
@@ -518,7 +431,7 @@ def lookup_asm_eighths(halves: list[int]) -> str:
 
 
 def lookup_asm(bits: int, halves: list[int]) -> str:
-    """The PTX of `_centroids`' register lookup for one codebook: `halves`, its 2^bits entries in code order as fp16
+    """The PTX of `centroids`' register lookup for one codebook: `halves`, its 2^bits entries in code order as fp16
     bit patterns. 4 bits: input one word of 8 codes, outputs the 8 fp16 centroids; 2 and 3 bits: inputs one word of
     the 2-bit plane (16 channels) and, for 3 bits, those channels' 16 top bits; outputs 16 centroids."""
     if bits == 4:

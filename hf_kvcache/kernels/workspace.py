@@ -7,7 +7,7 @@ streams at once, every count derived on the device from the storage's length (`h
 kernels do with STATIC):
 - `_gather_places` (the formats `decode.py` reads: fp8, integer groups, KIVI's per-channel key blocks, exact): the
   history tokens `start .. start + n` in order, from whichever place holds each (sink, packed, residual ring),
-  dequantized exactly as the reference codecs do, rounded to the model dtype (`decode._place_tile`);
+  dequantized exactly as the reference codecs do, rounded to the model dtype (`tiles.place_tile`);
 - `_gather_codebook` (TurboQuant): the packed body's tokens in the codec's frame, `norm * codebook[code]` per part
   (`turbo.py`: F is orthogonal, so the attention reads the frame with the query rotated in and its output rotated
   back), or with EXACT its exact tokens (sinks, the residual before this chunk) in the model's frame.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import _place_tile, _static_places
-from .turbo import _centroids, _exact_tile, _norms
+from .tiles import centroids, exact_tile, norms, place_tile, static_places
+
 
 _VARYING = ("start", "n_tok", "n_new")
 
@@ -44,8 +44,8 @@ def _gather_places(
     h = (pid_bh % Hkv).to(tl.int64)
     held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
     n_sink = tl.minimum(held, SINK_CAP)
-    npk, nrk, k_off = _static_places(held - n_sink, K_RING, K_WINDOW)
-    npv, nrv, v_off = _static_places(held - n_sink, V_RING, V_WINDOW)
+    npk, nrk, k_off = static_places(held - n_sink, K_RING, K_WINDOW)
+    npv, nrv, v_off = static_places(held - n_sink, V_RING, V_WINDOW)
     stop = held - n_new
     i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = i < n_tok
@@ -57,11 +57,11 @@ def _gather_places(
         k_scale = tl.load(KF8 + b * skf_b + h * skf_h)
     if V_FMT != 3:
         v_scale = tl.load(VF8 + b * svf_b + h * svf_h)
-    kt = _place_tile(KS + b * sks_b + h * sks_h, KR + b * skr_b + h * skr_h, KN + b * skn_b + h * skn_h,
+    kt = place_tile(KS + b * sks_b + h * sks_h, KR + b * skr_b + h * skr_h, KN + b * skn_b + h * skn_h,
                      KC + b * skc_b + h * skc_h, KSC + b * sksc_b + h * sksc_h, KZ + b * sksc_b + h * sksc_h,
                      sks_t, skr_t, skn_t, skc_t, sksc_t, sksc_c, k_scale, kpos, d, ok[:, None], n_sink, npk, nrk,
                      k_off, stop, n_new, DT, K_FMT, K_BITS, K_TOKG, K_CHG, K_SYM, K_RING)
-    vt = _place_tile(VS + b * svs_b + h * svs_h, VR + b * svr_b + h * svr_h, VN + b * svn_b + h * svn_h,
+    vt = place_tile(VS + b * svs_b + h * svs_h, VR + b * svr_b + h * svr_h, VN + b * svn_b + h * svn_h,
                      VC + b * svc_b + h * svc_h, VSC + b * svsc_b + h * svsc_h, VZ + b * svsc_b + h * svsc_h,
                      svs_t, svr_t, svn_t, svc_t, svsc_t, svsc_c, v_scale, kpos, d, ok[:, None], n_sink, npv, nrv,
                      v_off, stop, n_new, DT, V_FMT, V_BITS, 1, V_CHG, V_SYM, V_RING)
@@ -74,7 +74,7 @@ def _gather_places(
 def _codebook_tile(W, row, C, N_, CB, tok, ok, sc_t, sn_t, BLOCK_T: tl.constexpr, C0: tl.constexpr,
                    WID: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
     """One part's channels C0 .. C0 + WID of packed tokens `tok`: norm * codebook[code] (float32 table) into W."""
-    x = _centroids(C, CB, tok, ok, sc_t, BLOCK_T, WID, BITS, 1, "", tl.float32) * _norms(N_, tok, ok, sn_t)[:, None]
+    x = centroids(C, CB, tok, ok, sc_t, BLOCK_T, WID, BITS, 1, "", tl.float32) * norms(N_, tok, ok, sn_t)[:, None]
     tl.store(W + row + C0 + tl.arange(0, WID)[None, :], x.to(DT), mask=ok[:, None])
 
 
@@ -100,7 +100,7 @@ def _gather_codebook(
     h = (pid_bh % Hkv).to(tl.int64)
     held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
     n_sink = tl.minimum(held, SINK_CAP)
-    n_packed, _, r_off = _static_places(held - n_sink, RING, WINDOW)
+    n_packed, _, r_off = static_places(held - n_sink, RING, WINDOW)
     stop = held - n_new
     n_body = tl.maximum(tl.minimum(n_packed, stop - n_sink), 0)
     i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -109,9 +109,9 @@ def _gather_codebook(
     row = b * sw_b + h * sw_h + i[:, None] * sw_t
     if EXACT:
         kpos = tl.where(i < n_sink, i, i + n_body)[:, None]
-        kt = _exact_tile(KS + b * sks_b + h * sks_h, KR + b * skr_b + h * skr_h, KN + b * skn_b + h * skn_h,
+        kt = exact_tile(KS + b * sks_b + h * sks_h, KR + b * skr_b + h * skr_h, KN + b * skn_b + h * skn_h,
                          sks_t, skr_t, skn_t, kpos, d, ok[:, None], n_sink, n_sink + n_body, stop, r_off, DT, RING)
-        vt = _exact_tile(VS + b * svs_b + h * svs_h, VR + b * svr_b + h * svr_h, VN + b * svn_b + h * svn_h,
+        vt = exact_tile(VS + b * svs_b + h * svs_h, VR + b * svr_b + h * svr_h, VN + b * svn_b + h * svn_h,
                          svs_t, svr_t, svn_t, kpos, d, ok[:, None], n_sink, n_sink + n_body, stop, r_off, DT, RING)
         tl.store(WK + row + d, kt, mask=ok[:, None])
         tl.store(WV + row + d, vt, mask=ok[:, None])

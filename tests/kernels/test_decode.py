@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from hf_kvcache import kernels, make_cache
 from hf_kvcache.attention import fused_attention, reference_attention
-from hf_kvcache.kernels.decode import _plane
+from hf_kvcache.kernels.tiles import plane
 from tests.helpers.methods import KERNEL_METHODS as METHODS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,7 +86,7 @@ def test_decode_step_matches_reference(spec, kwargs):
 @pytest.mark.parametrize("steps", [(150, 1, 1), (150, 20)], ids=["decode", "chunk"])
 def test_fp8_read_by_its_bits_where_the_gpu_has_no_fp8_conversion(monkeypatch, spec, steps):
     """Before sm_89 (T4, A100, RTX 30xx) the kernels read fp8 codes by integer operations on their bits
-    (`decode._fp8_bits_to_f16`, forced here by `HF_KVCACHE_FP8_CONVERT=bits`): stored and read as on Hopper. On CUDA
+    (`tiles.fp8_bits_to_f16`, forced here by `HF_KVCACHE_FP8_CONVERT=bits`): stored and read as on Hopper. On CUDA
     in bf16, through fp16 products."""
     monkeypatch.setitem(kernels.launch.TUNING, "fp8_convert", "bits")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -113,7 +113,7 @@ def _planes_kernel(X, OUT, N: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr
     i = tl.arange(0, N)
     byte = tl.load(X + i).to(tl.int32)
     for p in tl.static_range(8 // BITS):
-        tl.store(OUT + p * N + i, _plane(byte, p, BITS, DT, OFF, CENTER).to(tl.float32))
+        tl.store(OUT + p * N + i, plane(byte, p, BITS, DT, OFF, CENTER).to(tl.float32))
 
 
 # bf16 arithmetic on a bitcast value gives NaN in Triton's interpreter (3.9); the launchers never take OFF > 0 there
@@ -124,7 +124,7 @@ _BF16_ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 bi
                                         pytest.param(2, torch.bfloat16, marks=_BF16_ON_GPU), (8, torch.float16),
                                         (4, torch.float16), (8, torch.float32)])
 def test_magic_number_planes_are_exact(bits, dtype):
-    """`_plane` gives every code of every plane exactly as code - 2^(bits-1), in the products' dtype: with OFF > 0 the
+    """`tiles.plane` gives every code of every plane exactly as code - 2^(bits-1), in the products' dtype: with OFF > 0 the
     code is written into the mantissa of OFF and OFF + center subtracted in that dtype (the GPU path for bf16/fp16
     models; the interpreted tests run fp32, so this checks it alone), with OFF = 0 through fp32."""
     off = {torch.float16: 1024, torch.bfloat16: 128, torch.float32: 0}[dtype]
@@ -330,7 +330,7 @@ USER_FORMATS = ["exact", "fp8-e4m3", "fp8-e5m2", "int8", "int4-g32", "int4-g64",
 # as q * scale rounded to bf16, FP8 E4M3's and TurboQuant's probabilities as fp16, and the rotated caches' query
 # through the Walsh-Hadamard transform in bf16 (on the H200, 2026-12-02: at most 2.18% / 1.35% / 1.70% / 1.02% over
 # the six shapes; the issue's target of 1% for every format is missed by these, see BENCHMARKS.md).
-# int2-g32 since its tiles are dequantized in fp16 by plane (`decode._group_planes`, 2026-12-05): 1.11% / 1.05% /
+# int2-g32 since its tiles are dequantized in fp16 by plane (`tiles.group_planes`, 2026-12-05): 1.11% / 1.05% /
 # 1.01% at batch 1 / 16 / 64 x 32k on the H100 (2026-12-06), where the same path gives int4-g32 0.38-0.50% and the
 # bench's err column (other K/V) 0.35%; not yet explained. Its decode-protocol accuracy did not move (+81.66 +- 4.99%
 # against +82.15 +- 4.85%), so the bound is KIVI's until the cause is found (BENCHMARKS.md, 2026-12-06).

@@ -67,12 +67,12 @@ def test_the_kvquant_lookup_decodes_every_code(bits):
 
 @pytest.mark.parametrize("bits,off", [(2, 1024), (4, 1024), (8, 1024), (2, 128), (4, 128)])
 def test_the_plane_split_writes_each_code_into_its_offset(bits, off):
-    """`decode.plane_asm`: four packed bytes -> each plane's OFF + code of bytes 0, 1 and 2, 3 as 16-bit float pairs
+    """`tiles.plane_asm`: four packed bytes -> each plane's OFF + code of bytes 0, 1 and 2, 3 as 16-bit float pairs
     (fp16 1024 = 0x6400, bf16 128 = 0x4300: the code lands in the mantissa's last bits)."""
-    from hf_kvcache.kernels import decode
+    from hf_kvcache.kernels import tiles
 
     per, mask, base = 8 // bits, (1 << bits) - 1, {1024: 0x6400, 128: 0x4300}[off]
-    asm = decode.plane_asm(bits, off)
+    asm = tiles.plane_asm(bits, off)
     gen = torch.Generator().manual_seed(bits)
     for _ in range(64):
         data = torch.randint(0, 256, (4,), generator=gen).tolist()
@@ -81,7 +81,7 @@ def test_the_plane_split_writes_each_code_into_its_offset(bits, off):
             half = [base | ((b >> (p * bits)) & mask) for b in data]
             assert got[2 * p:2 * p + 2] == [half[0] | half[1] << 16, half[2] | half[3] << 16], (p, data)
     with pytest.raises(ValueError, match="no plane PTX"):
-        decode.plane_asm(8, 128)  # bf16 holds codes below 128 only
+        tiles.plane_asm(8, 128)  # bf16 holds codes below 128 only
 
 
 def test_the_turbo_half_lookup_decodes_every_code():
@@ -101,10 +101,10 @@ def test_the_turbo_half_lookup_decodes_every_code():
 
 
 def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
-    """Which PTX `decode._planes` / `_group_planes` receive (`decode_launch._plane_asm`): planes in the products'
+    """Which PTX `tiles.planes` / `tiles.group_planes` receive (`decode_launch._plane_asm`): planes in the products'
     dtype, grouped tiles of a 16-bit model at 1024 (dequantized in fp16), none for an fp32 model's grouped tiles
     (Triton's fp32 path), for fp8, for 8-bit codes in bf16, on the interpreter or when off."""
-    from hf_kvcache.kernels import decode, decode_launch, ops
+    from hf_kvcache.kernels import decode_launch, ops, tiles
     from hf_kvcache.kernels.layout import PackedFormat
 
     monkeypatch.setattr(decode_launch.backend, "interpreting", lambda: False)
@@ -112,15 +112,15 @@ def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
     int4_g32 = PackedFormat("uniform", bits=4, channel_group=32)
     kivi_keys = PackedFormat("uniform", bits=2, token_group=32, channel_group=1)
     int8 = PackedFormat("uniform", bits=8)
-    assert pick(int4_g32, torch.bfloat16, 128, planes=False) == decode.plane_asm(4, 1024)
-    assert pick(int4_g32, torch.float16, 128, planes=False) == decode.plane_asm(4, 1024)
+    assert pick(int4_g32, torch.bfloat16, 128, planes=False) == tiles.plane_asm(4, 1024)
+    assert pick(int4_g32, torch.float16, 128, planes=False) == tiles.plane_asm(4, 1024)
     assert pick(int4_g32, torch.float32, 128, planes=False) == ""
     int2_g8 = PackedFormat("uniform", bits=2, channel_group=8)
-    assert pick(int2_g8, torch.bfloat16, 64, planes=False) == decode.plane_asm(2, 1024)
+    assert pick(int2_g8, torch.bfloat16, 64, planes=False) == tiles.plane_asm(2, 1024)
     assert pick(int2_g8, torch.bfloat16, 32, planes=False) == ""  # planes 8 wide: too narrow for a product
-    assert pick(kivi_keys, torch.bfloat16, 128, planes=True) == decode.plane_asm(2, 128)
+    assert pick(kivi_keys, torch.bfloat16, 128, planes=True) == tiles.plane_asm(2, 128)
     assert pick(kivi_keys, torch.bfloat16, 128, planes=False) == ""  # per-channel blocks are read by planes only
-    assert pick(int8, torch.float16, 128, planes=True) == decode.plane_asm(8, 1024)
+    assert pick(int8, torch.float16, 128, planes=True) == tiles.plane_asm(8, 1024)
     assert pick(int8, torch.bfloat16, 128, planes=True) == ""  # 8-bit codes pass bf16's 128
     assert pick(PackedFormat("fp8-e4m3"), torch.float16, 128, planes=False) == ""
     monkeypatch.setitem(ops.TUNING, "plane_asm", False)
@@ -131,7 +131,7 @@ def test_each_integer_format_gets_its_plane_ptx(monkeypatch):
 
 
 def test_the_operand_copy_goes_where_it_measured_faster(monkeypatch):
-    """`launch.operand_copy`: by default only for the formats where `decode._opaque` measured faster, nowhere with
+    """`launch.operand_copy`: by default only for the formats where `tiles.opaque` measured faster, nowhere with
     "0", everywhere with "all" (to measure the rest); any other setting is refused, naming the allowed ones."""
     from hf_kvcache.kernels import launch
 
