@@ -1,7 +1,7 @@
 """Where one stream (keys or values) of a cache layer keeps its tokens: `StreamStorage`.
 
-One storage serves every mode (docs/design.md, "Capacity: growing or pinned"): buffers of a capacity, the number of tokens
-held in a device tensor that the kernels read, and writes addressed by device indices, so that an eager decode step
+One storage serves every mode (docs/design.md, "Capacity: growing or pinned"): buffers of a capacity, the number of
+tokens held in a device tensor that the kernels read, and writes addressed by device indices, so that an eager decode step
 is a fixed sequence of launches a CUDA graph replays and a compiled step traces without host reads. The capacity is
 pinned (`max_cache_len`) or grows in steps (`QuantizedKVLayer` decides; `resize` copies the held rows once).
 

@@ -103,8 +103,9 @@ def _model(layers: int = 1, dtype: torch.dtype = torch.bfloat16):
 
 def census(spec: str, chunk: int, arch: int = 90, batch: int = 1, warm: bool = False, prompts=None,
            dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The compiles of `prompts` (pairs as `CALLS`'; default `CALLS`, then `SHORT`) for one method (in this process:
-    see `compiles_part` for a fresh one): `{"warm_up": None, or what `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
+    """The compiles of `prompts` (pairs as in `CALLS`; by default `CALLS`, then `SHORT`) for one method, in this
+    process (see `compiles_part` for a fresh one), for a model in `dtype`: `{"warm_up": None, or what
+    `hf_kvcache.warm_up` did first (its variants and wall seconds), "calls": [each call's compiles]}`."""
     import warnings
 
     from ..warmup import calls, default_workers, warm_up

@@ -1,6 +1,6 @@
 """The e2e part: `model.generate` as users call it, a fresh cache a call (`e2e_row`); the decode part: caches
 filled with random K/V continued by `generate`, step time and GPU time (`decode_part`); and the batch1 part, the same
-eager steps at batch 1 in interleaved repeats (`interleaved_part`). Both on a Llama-3-8B-shaped
+eager steps at batch 1 in interleaved repeats (`interleaved_part`). All on a Llama-3-8B-shaped
 model with random bf16 weights, each method eager and compiled against DynamicCache eager and transformers'
 StaticCache compiled.
 """

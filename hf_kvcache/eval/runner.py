@@ -20,8 +20,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Everything a run measures. The defaults are the decode protocol (docs/evaluation.md) at its CPU size (8 windows, a prefill
-    of 1024 tokens, 64 decoded), so figures compare across runs; `QUICK` shrinks every size for tests.
+    """Everything a run measures. The defaults are the decode protocol (docs/evaluation.md) at its CPU size (8
+    windows, a prefill of 1024 tokens, 64 decoded), so figures compare across runs; `QUICK` shrinks every size for
+    tests.
 
     `protocols`: "decode" (prefill `prefill` tokens, then `decode_tokens` fed one at a time; one result per prefill
     length), "strict" (every K/V quantized before attention, one forward per window of `context` tokens) and

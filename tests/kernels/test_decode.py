@@ -124,8 +124,8 @@ _BF16_ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 bi
                                         pytest.param(2, torch.bfloat16, marks=_BF16_ON_GPU), (8, torch.float16),
                                         (4, torch.float16), (8, torch.float32)])
 def test_magic_number_planes_are_exact(bits, dtype):
-    """`tiles.plane` gives every code of every plane exactly as code - 2^(bits-1), in the products' dtype: with OFF > 0 the
-    code is written into the mantissa of OFF and OFF + center subtracted in that dtype (the GPU path for bf16/fp16
+    """`tiles.plane` gives every code of every plane exactly as code - 2^(bits-1), in the products' dtype: with OFF > 0
+    the code is written into the mantissa of OFF and OFF + center subtracted in that dtype (the GPU path for bf16/fp16
     models; the interpreted tests run fp32, so this checks it alone), with OFF = 0 through fp32."""
     off = {torch.float16: 1024, torch.bfloat16: 128, torch.float32: 0}[dtype]
     center = 1 << (bits - 1)
