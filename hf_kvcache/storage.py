@@ -1,9 +1,9 @@
 """Where one stream (keys or values) of a cache layer keeps its tokens: `StreamStorage`.
 
 One storage serves every mode (docs/design.md, "Capacity: growing or pinned"): buffers of a capacity, the number of
-tokens held in a device tensor that the kernels read, and writes addressed by device indices, so that an eager decode step
-is a fixed sequence of launches a CUDA graph replays and a compiled step traces without host reads. The capacity is
-pinned (`max_cache_len`) or grows in steps (`QuantizedKVLayer` decides; `resize` copies the held rows once).
+tokens held in a device tensor that the kernels read, and writes addressed by device indices, so that an eager decode
+step is a fixed sequence of launches a CUDA graph replays and a compiled step traces without host reads. The capacity
+is pinned (`max_cache_len`) or grows in steps (`QuantizedKVLayer` decides; `resize` copies the held rows once).
 
 Where a token lives, for held index `p` and `i = p - sink_tokens`:
 - sink: `p < sink_tokens`, row p of a `(B, H, sink_tokens + 1, D)` buffer in the model dtype;

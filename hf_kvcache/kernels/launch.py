@@ -3,10 +3,10 @@ to the tensors' CUDA device (`on_input_device`), split-K sizing and its float32 
 stride arguments of places, masks and lengths, which every attention kernel takes in the same order.
 
 Each kernel module has its launchers beside it, `X_launch.py` next to `X.py` (`decode`, `nuq`, `turbo`, `pack`,
-`hadamard`): a kernel file holds kernels, its launcher states the math (checks, grid, the formula and layouts),
-and the two sort together in a listing. A launcher imports its kernel module inside the function, when it first launches, so that importing
-`hf_kvcache.kernels` imports no Triton. `dispatch.py` picks the attention launcher of a layer's formats; `ops.py`
-gathers every launcher in one namespace, what the rest of the package calls.
+`hadamard`): a kernel file holds kernels, its launcher states the math (checks, grid, the formula and layouts), and
+the two sort together in a listing. A launcher imports its kernel module inside the function, when it first launches,
+so that importing `hf_kvcache.kernels` imports no Triton. `dispatch.py` picks the attention launcher of a layer's
+formats; `ops.py` gathers every launcher in one namespace, what the rest of the package calls.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """ExactCache: K/V in the model dtype, nothing quantized, through the same core, places and kernels as the
 quantized methods.
 
-It is the 16-bit baseline that shows what quantization itself gains: built with `max_cache_len`, it is the
-compiled static cache that reads only its filled tokens and never repeats K/V per query head, which
-transformers' own `StaticCache` does (docs/design.md, "Capacity: growing or pinned"); a quantized cache compiled the
-same way differs from it by its bytes alone. Per token and kv-head: `D` elements of the model dtype, the size of a DynamicCache.
+It is the 16-bit baseline that shows what quantization itself gains: built with `max_cache_len`, it is the compiled
+static cache that reads only its filled tokens and never repeats K/V per query head, which transformers' own
+`StaticCache` does (docs/design.md, "Capacity: growing or pinned"); a quantized cache compiled the same way differs
+from it by its bytes alone. Per token and kv-head: `D` elements of the model dtype, the size of a DynamicCache.
 """
 
 from __future__ import annotations
