@@ -33,11 +33,11 @@ def supports_packed(keys: StreamTensors, values: StreamTensors, query: torch.Ten
     return None
 
 
-def _fmt_code(kind: str, fp8_native: bool = True) -> int:
+def _fmt_code(kind: str, native_fp8: bool = True) -> int:
     """A format's `decode.FMT_*` code; fp8 by its bits where the target has no fp8 conversions (`launch.fp8_native`)."""
     from . import decode
 
-    if not fp8_native and kind in FP8_KINDS:
+    if not native_fp8 and kind in FP8_KINDS:
         return decode.FMT_FP8_E4M3_BITS if kind == "fp8-e4m3" else decode.FMT_FP8_E5M2_BITS
     return {"fp8-e4m3": decode.FMT_FP8_E4M3, "fp8-e5m2": decode.FMT_FP8_E5M2, "uniform": decode.FMT_UNIFORM,
             "exact": decode.FMT_EXACT}[kind]
