@@ -36,9 +36,8 @@ from torch import nn
 
 from . import _compat
 from .cache import _MIN_GROW, _SLIDING_CROP_MARGIN, QuantizedKVLayer
-from .eval.memory import layer_nbytes
 from .kernels import use_backend
-from .methods._common import attention_shape
+from .configs import attention_shape
 from .methods.kvquant import KVQUANT_BITS, KVQuantCache
 from .methods.rotated import RotatedCache, Rotation
 from .patching import LayerRope, ValueRotation
@@ -56,6 +55,29 @@ _ROW_ALIGN = 16
 _WALKED_MODULES = ("hf_kvcache", "transformers.cache_utils")  # objects whose attributes `tensor_bytes` follows
 # (config JSON, dtype, spec, context) -> Footprint: a plan measures every preset, and a process often plans again
 _FOOTPRINTS: dict[tuple, Footprint] = {}
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def layer_nbytes(layer) -> int:
+    """Bytes one cache layer holds: `layer.nbytes()` of an hf-kvcache layer, else its K and V tensors
+    (`layer.keys`, `layer.values`)."""
+    if callable(getattr(layer, "nbytes", None)):
+        return int(layer.nbytes())
+    return _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes a cache holds: `cache.nbytes()` where the cache reports it (every hf-kvcache cache: codes,
+    scales, zeros, residual, sinks), else `layer_nbytes` of each layer."""
+    if callable(getattr(cache, "nbytes", None)):
+        return int(cache.nbytes())
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return sum(layer_nbytes(layer) for layer in layers)
+    raise TypeError(f"cannot measure a {type(cache).__name__}: it has neither nbytes() nor layers")
 
 
 def _storages(obj, skip: tuple = ()) -> dict[int, int]:
@@ -116,7 +138,7 @@ def _layout_calibration(config):
     """A calibration of `config`'s shapes holding what `KVQuantCache` reads, with placeholder values: per-channel key
     ranges `(Hkv, D)` of [-1, 1] and uniform codebooks `(2^b,)` for every bit width. The layout of KVQuant's storage
     (codes, outlier slots, fp16 ranges, positions) depends on the shapes only."""
-    from .calibration import Calibration, fingerprint
+    from .artifact import Calibration, fingerprint
 
     layers, kv_heads, head_dim = attention_shape(config)
     lo, hi = -torch.ones(kv_heads, head_dim), torch.ones(kv_heads, head_dim)

@@ -17,6 +17,9 @@ once to a plain safetensors checkpoint under the cache root and later loads read
 
 `<key>` hashes the GGUF file's size and mtime and the conversion format, so a changed file is converted
 again into a new folder instead of silently reusing stale weights.
+
+`load_config(model)` reads a config alone, for what needs a model's shapes and not its weights (the planner, the
+README's figures): a shipped shape (`SHIPPED_MODELS`), a local config.json or model directory, a config or a model.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL", "load_model", "model_name", "cache_root"]
+__all__ = ["DEFAULT_MODEL", "SHIPPED_MODELS", "cache_root", "load_config", "load_model", "model_name"]
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -287,3 +290,69 @@ def _convert_gguf(gguf_path: Path, dest: Path) -> None:
     del gguf_model
     clean_model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
+
+
+# Published shapes (each model's config.json), so that planning needs neither weights nor a hub. The Llama names are
+# the 3.1 releases: Llama 3's shapes with its 128k context. `mistral-7b` is v0.1, whose layers all attend through a
+# 4096-token sliding window (v0.3 has none).
+SHIPPED_MODELS: dict[str, tuple[str, dict]] = {
+    "smollm2-135m": ("SmolLM2-135M-Instruct, the embedded default", dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+    )),
+    "llama-3-8b": ("Llama-3.1-8B", dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False,
+    )),
+    "llama-3-70b": ("Llama-3.1-70B", dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False,
+    )),
+    "qwen2.5-7b": ("Qwen2.5-7B", dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+    )),
+    "mistral-7b": ("Mistral-7B-v0.1, a 4096-token sliding window on every layer", dict(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        sliding_window=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )),
+}
+
+
+def load_config(model=None):
+    """`(name, config)` for a shipped shape name (`SHIPPED_MODELS`; None: the embedded default), a local config.json,
+    a local model directory holding one, a config, or a loaded model (its config). Nothing is downloaded."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if model is None:
+        model = DEFAULT_MODEL
+    if isinstance(model, PretrainedConfig):
+        return getattr(model, "_name_or_path", "") or model.model_type, model
+    if isinstance(getattr(model, "config", None), PretrainedConfig):
+        return model_name(model), model.config
+    key = str(model).strip().lower()
+    if key in SHIPPED_MODELS:
+        values = dict(SHIPPED_MODELS[key][1])
+        return key, AutoConfig.for_model(values.pop("model_type"), **values)
+    path = Path(model).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(
+            f"unknown model {str(model)!r}: give a shipped shape ({', '.join(SHIPPED_MODELS)}), a local config.json "
+            "or a local model directory holding one (nothing is downloaded)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(file)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{file} is not a readable transformers config: {error}") from error
+    return file.resolve().parent.name, config

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import _compat
-from .methods._common import attention_shape
+from .configs import attention_shape
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -25,16 +25,15 @@ import re
 from dataclasses import asdict, dataclass
 from functools import cache
 from importlib import resources
-from pathlib import Path
 
 import torch
 
 from . import _compat
+from .configs import attention_shape
 from .eval.memory import reference_bytes_per_token
 from .footprint import Measure
 from .gpus import FP8_ARCHS, GPU, GPUS, detect_gpu  # noqa: F401  (re-exported: `from hf_kvcache.planner import GPUS`)
-from .methods._common import attention_shape
-from .models import DEFAULT_MODEL, model_name
+from .models import SHIPPED_MODELS, load_config  # noqa: F401  (re-exported: `from hf_kvcache.planner import ...`)
 from .presets import PRESETS, parse_spec
 
 __all__ = [
@@ -52,43 +51,6 @@ __all__ = [
     "parse_memory",
     "plan",
 ]
-
-# Published shapes (each model's config.json), so that planning needs neither weights nor a hub. The Llama names are
-# the 3.1 releases: Llama 3's shapes with its 128k context. `mistral-7b` is v0.1, whose layers all attend through a
-# 4096-token sliding window (v0.3 has none).
-SHIPPED_MODELS: dict[str, tuple[str, dict]] = {
-    "smollm2-135m": ("SmolLM2-135M-Instruct, the embedded default", dict(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
-    )),
-    "llama-3-8b": ("Llama-3.1-8B", dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False,
-    )),
-    "llama-3-70b": ("Llama-3.1-70B", dict(
-        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False,
-    )),
-    "qwen2.5-7b": ("Qwen2.5-7B", dict(
-        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-    )),
-    "mistral-7b": ("Mistral-7B-v0.1, a 4096-token sliding window on every layer", dict(
-        model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-        sliding_window=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    )),
-}
-
 
 DEFAULT_MAX_LOSS = 0.5  # ΔNLL (%) on the measured decode protocol a recommendation may cost
 UNQUANTIZED = ("none", "exact")  # never recommended: they save nothing
@@ -137,35 +99,6 @@ def parse_memory(value: int | str) -> int:
     if nbytes <= 0:
         raise ValueError(f"memory must be positive, got {value!r}")
     return nbytes
-
-
-def load_config(model=None):
-    """`(name, config)` for a shipped shape name (`SHIPPED_MODELS`; None: the embedded default), a local config.json,
-    a local model directory holding one, a config, or a loaded model (its config). Nothing is downloaded."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if model is None:
-        model = DEFAULT_MODEL
-    if isinstance(model, PretrainedConfig):
-        return getattr(model, "_name_or_path", "") or model.model_type, model
-    if isinstance(getattr(model, "config", None), PretrainedConfig):
-        return model_name(model), model.config
-    key = str(model).strip().lower()
-    if key in SHIPPED_MODELS:
-        values = dict(SHIPPED_MODELS[key][1])
-        return key, AutoConfig.for_model(values.pop("model_type"), **values)
-    path = Path(model).expanduser()
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(
-            f"unknown model {str(model)!r}: give a shipped shape ({', '.join(SHIPPED_MODELS)}), a local config.json "
-            "or a local model directory holding one (nothing is downloaded)"
-        )
-    try:
-        config = AutoConfig.from_pretrained(file)
-    except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"{file} is not a readable transformers config: {error}") from error
-    return file.resolve().parent.name, config
 
 
 def _kv_dtype(dtype) -> torch.dtype:

@@ -287,7 +287,7 @@ def test_generate_compiles_the_static_cache_by_itself_on_cuda(spec, easy, hard):
     assert graphs == 1, "recompiled"
     prompt, promised = 40, 200
     partings = _partings(eager, compiled, prompt, promised)
-    assert all(p["margin"] <= p["before"] for p in partings), _parting(eager, compiled, prompt)
+    assert all(p["margin"] <= p["before"] for p in partings), partings
 
 
 def _partings(eager, compiled, prompt: int, within: int) -> list[dict]:

@@ -13,7 +13,7 @@ from hf_kvcache import PRESETS, cli, make_cache, plan
 from hf_kvcache._compat import cache_kwargs
 from hf_kvcache.eval.memory import cache_nbytes
 from hf_kvcache.footprint import build_cache
-from hf_kvcache.methods._common import attention_shape
+from hf_kvcache.configs import attention_shape
 from hf_kvcache.patching import unfuse
 from hf_kvcache.planner import (
     DEFAULT_MAX_LOSS,

@@ -218,6 +218,60 @@ def test_importing_the_package_loads_no_tooling():
     assert not loaded, f"imported with the package: {loaded}"
 
 
+# The package's layers, lowest first: a module imports (at import time or inside a function) only from its own layer
+# or one below. A prefix names a module and everything under it; the longest prefix that matches places a module.
+LAYERS = (
+    ("helpers", ("hf_kvcache._compat", "hf_kvcache.configs", "hf_kvcache.models", "hf_kvcache.gpus")),
+    ("kernels", ("hf_kvcache.kernels",)),
+    ("codecs and storage", ("hf_kvcache.quant", "hf_kvcache.codec", "hf_kvcache.storage", "hf_kvcache.graphs",
+                            "hf_kvcache.read", "hf_kvcache.prefill")),
+    ("layer and cache", ("hf_kvcache.layer", "hf_kvcache.cache", "hf_kvcache.attention", "hf_kvcache.patching")),
+    ("artifact", ("hf_kvcache.artifact",)),
+    ("methods", ("hf_kvcache.methods",)),
+    ("presets", ("hf_kvcache.presets", "hf_kvcache.warmup", "hf_kvcache")),
+    ("calibrating and byte counts", ("hf_kvcache.calibration", "hf_kvcache.footprint")),
+    ("evaluation", ("hf_kvcache.eval",)),
+    ("bench", ("hf_kvcache.bench",)),
+    ("planner", ("hf_kvcache.planner",)),
+    ("command line", ("hf_kvcache.cli",)),
+)
+# The one import that runs up on purpose: the package lends `hf_kvcache.plan` from the planner, loaded at first use
+UPWARD_ON_PURPOSE = {("hf_kvcache", "hf_kvcache.planner")}
+
+
+def _layer(module: str) -> int:
+    """The index in `LAYERS` of a module; a `__main__` module (`python -m ...`, the way in) stands above them all."""
+    if module.rpartition(".")[2] == "__main__":
+        return len(LAYERS)
+    best = max(((len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} stands in no layer: add it to LAYERS"
+    return best[1]
+
+
+def _upward(graph: dict[str, list[tuple[str, bool, int]]]) -> list[str]:
+    return [f"{module}:{line} ({LAYERS[_layer(module)][0]}) imports {target} ({LAYERS[_layer(target)][0]})"
+            for module, edges in sorted(graph.items()) for target, _, line in edges
+            if _layer(target) > _layer(module) and (module, target) not in UPWARD_ON_PURPOSE]
+
+
+def test_imports_point_down_the_layers():
+    """The library (kernels, then codecs and storage, then the layer and cache, then the methods, then the presets)
+    stands below the tooling (calibrating, evaluation, bench, planner, command line), and the calibration artifact
+    below the methods that read it. Function-level imports count too: a lazy import up is still an import up."""
+    upward = _upward(_imports())
+    assert not upward, "imports that run up the layers (move what both need below them):\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_import_up():
+    assert _layer("hf_kvcache.kernels.decode") < _layer("hf_kvcache.methods.kivi") < _layer("hf_kvcache.cli")
+    assert _layer("hf_kvcache") == _layer("hf_kvcache.presets")
+    assert _layer("hf_kvcache.calibration.__main__") == len(LAYERS)
+    found = _upward({"hf_kvcache.methods.fp8": [("hf_kvcache.calibration.calibrate", False, 7)]})
+    assert found == ["hf_kvcache.methods.fp8:7 (methods) imports hf_kvcache.calibration.calibrate "
+                     "(calibrating and byte counts)"]
+
+
 # The format classes of `kernels/layout.py`, and where a test of a value's class against them may stand: the layout
 # itself, the registry of their readers, and the methods whose codecs build them
 FORMATS = {"PackedFormat", "NUQFormat", "CodebookFormat"}

@@ -5,7 +5,7 @@ pickle); `find(config)` returns the one `hf-kvcache calibrate` stored for a mode
 under vLLM's names. `python -m hf_kvcache.calibration` is `hf-kvcache calibrate`.
 """
 
-from .artifact import Calibration, default_path, export_vllm, find, fingerprint, load, save
+from ..artifact import Calibration, default_path, export_vllm, find, fingerprint, load, save
 from .calibrate import calibrate, collect, fit, weighted_kmeans_1d
 
 __all__ = [

@@ -29,13 +29,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_kvcache import _compat
-from hf_kvcache.methods._common import attention_shape
+from hf_kvcache.configs import attention_shape
 from hf_kvcache.patching import PreRopeKeys, RecordingCache, attention_modules
 from hf_kvcache.quant import (
     FP8_FORMATS, dequantize_fp8, fp8_max, normalize_per_channel, normalize_per_token, quantize_fp8,
 )
 
-from .artifact import FORMAT_VERSION, METHOD, Calibration, fingerprint
+from ..artifact import FORMAT_VERSION, METHOD, Calibration, fingerprint
 
 WEIGHTINGS = ("fisher", "none")
 
@@ -189,7 +189,7 @@ def fp8_scale_search(x: torch.Tensor, w: torch.Tensor, amax: torch.Tensor, fmt: 
 
 def fit(acts: Activations, *, bits=(2, 3, 4), outlier_fraction: float = 0.01, weighted: bool = True,
         progress: bool = True) -> dict[str, torch.Tensor]:
-    """The artifact's tensors (see `artifact.py`) from collected activations."""
+    """The artifact's tensors (see `hf_kvcache/artifact.py`) from collected activations."""
     if not 0 <= outlier_fraction < 0.5:
         raise ValueError(f"outlier_fraction={outlier_fraction!r} must be in [0, 0.5)")
     tensors = {}

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..footprint import Measure
-from ..planner import load_config
+from ..models import load_config
 from ..presets import PRESETS
 
 __all__ = ["SOURCES", "Figures", "accuracy_figures", "load_figures", "measured_figures", "speed_figures"]

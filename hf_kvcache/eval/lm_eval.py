@@ -52,7 +52,7 @@ def register() -> type:
 
         def __init__(self, pretrained=None, kv_cache: str = "none", dtype: str = "auto", device: str | None = None,
                      **kwargs):
-            from .. import make_cache
+            from ..presets import make_cache
             from ..models import DEFAULT_MODEL, load_model
 
             if "chunk" in kwargs:
@@ -72,7 +72,7 @@ def register() -> type:
             super().__init__(pretrained=model, backend="causal", **kwargs)
 
         def _new_cache(self):
-            from .. import make_cache
+            from ..presets import make_cache
 
             return make_cache(self.kv_cache, self.model)
 

@@ -12,34 +12,12 @@ from collections.abc import Callable
 import torch
 
 from .._compat import text_config
+from ..footprint import cache_nbytes, layer_nbytes  # noqa: F401  (re-exported)
 from .forward import forward_with_cache
 
 __all__ = ["bytes_per_token", "cache_nbytes", "layer_nbytes", "memory_summary", "reference_bytes_per_token"]
 
 REFERENCE_BYTES = 2  # a 16-bit element
-
-
-def _tensor_bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def layer_nbytes(layer) -> int:
-    """Bytes one cache layer holds: `layer.nbytes()` of an hf-kvcache layer, else its K and V tensors
-    (`layer.keys`, `layer.values`)."""
-    if callable(getattr(layer, "nbytes", None)):
-        return int(layer.nbytes())
-    return _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
-
-
-def cache_nbytes(cache) -> int:
-    """Bytes a cache holds: `cache.nbytes()` where the cache reports it (every hf-kvcache cache: codes,
-    scales, zeros, residual, sinks), else `layer_nbytes` of each layer."""
-    if callable(getattr(cache, "nbytes", None)):
-        return int(cache.nbytes())
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return sum(layer_nbytes(layer) for layer in layers)
-    raise TypeError(f"cannot measure a {type(cache).__name__}: it has neither nbytes() nor layers")
 
 
 def reference_bytes_per_token(config) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
-from ._common import check_nonnegative_int
+from ..configs import check_nonnegative_int
 
 
 class ExactCodec(Codec):

@@ -23,7 +23,7 @@ from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
 from ..quant import FP8_FORMATS, dequantize_fp8, fp8_max, fp8_scale, quantize_fp8
-from ._common import attention_shape, check_choice, check_nonnegative_int
+from ..configs import attention_shape, check_choice, check_nonnegative_int
 
 SCALE_MODES = ("none", "dynamic", "calibrated")
 
@@ -176,7 +176,7 @@ class QuantizedFP8Cache(QuantizedKVCache):
         per_layer = None
         if scale == "calibrated":
             if scales is None:
-                from ..calibration import find
+                from ..artifact import find
 
                 scales = find(config, calibration)
             per_layer = _calibrated_scales(scales, num_layers, kv_heads, fmt, headroom)

@@ -15,7 +15,7 @@ from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
 from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
-from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
+from ..configs import attention_shape, check_choice, check_group_size, check_nonnegative_int
 
 INT_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128, None)

@@ -23,7 +23,7 @@ from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import PackedFormat
 from ..quant import dequantize_uniform, pack_bits, quantize_uniform, unpack_bits
-from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
+from ..configs import attention_shape, check_choice, check_group_size, check_nonnegative_int
 from .int import IntCodec
 
 KIVI_BITS = (2, 3, 4, 8)

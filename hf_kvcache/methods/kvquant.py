@@ -39,7 +39,7 @@ from ..quant import (
     round_fp16,
     unpack_bits,
 )
-from ._common import attention_shape, check_choice, check_nonnegative_int
+from ..configs import attention_shape, check_choice, check_nonnegative_int
 
 KVQUANT_BITS = (2, 3, 4)
 
@@ -236,7 +236,7 @@ class KVQuantCache(QuantizedKVCache):
         pre_rope: bool = True,
         nuq: bool = True,
     ):
-        from ..calibration import find
+        from ..artifact import find
 
         check_choice("bits", bits, KVQUANT_BITS)
         check_nonnegative_int("sink_tokens", sink_tokens)

@@ -26,7 +26,7 @@ import torch
 from .. import kernels
 from ..cache import LayerPolicy, QuantizedKVCache
 from ..quant import fwht
-from ._common import attention_shape, check_choice, check_group_size, check_nonnegative_int
+from ..configs import attention_shape, check_choice, check_group_size, check_nonnegative_int
 from .int import IntCodec
 
 ROTATED_BITS = (2, 3, 4)

@@ -48,7 +48,7 @@ from .. import kernels
 from ..cache import Codec, LayerPolicy, QuantizedKVCache
 from ..kernels.layout import CodebookFormat, CodebookPart
 from ..quant import pack_bits, unpack_bits
-from ._common import attention_shape, check_choice, check_nonnegative_int
+from ..configs import attention_shape, check_choice, check_nonnegative_int
 from .rotated import Rotation, random_orthogonal
 
 TURBOQUANT_BITS = (2, 2.5, 3, 3.5, 4)

@@ -1,9 +1,10 @@
-"""Validation shared by the method modules: every bad parameter gets an error naming it, the allowed values
-and what to do."""
+"""What every layer of the library reads from a model config (`attention_shape`) and the parameter checks the
+methods, the patching and the artifact share: every bad parameter gets an error naming it, the allowed values and
+what to do. It sits below them all and imports nothing of the package but `_compat`."""
 
 from __future__ import annotations
 
-from .._compat import text_config
+from ._compat import text_config
 
 
 def check_choice(name: str, value, allowed, hint: str = "") -> None:

@@ -27,9 +27,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hf_kvcache import _compat
-from hf_kvcache.methods._common import attention_shape
-from hf_kvcache.quant import FP8_FORMATS, fp8_max
+from . import _compat
+from .configs import attention_shape
+from .quant import FP8_FORMATS, fp8_max
 
 FORMAT_VERSION = 1
 METHOD = "hf-kvcache-calibration"
@@ -64,7 +64,7 @@ def default_path(config) -> Path:
     """Where `hf-kvcache calibrate` stores a model's artifact and where caches look for it, keyed by the model's
     fingerprint: in `$HF_KVCACHE_CALIBRATION` if set, else in `calibration/` of the user cache folder
     (`hf_kvcache.models.cache_root()`)."""
-    from hf_kvcache.models import cache_root
+    from .models import cache_root
 
     fp = fingerprint(config)
     digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
