@@ -116,6 +116,36 @@ def test_readme_links_the_accuracy_notebook():
     assert (ROOT / notebook).is_file()
 
 
+_DATE = re.compile(r"\b20\d\d-?[01]\d-?[0-3]\d\b|\bsessions?\b", re.I)
+
+
+def _outside_source_notes(text: str) -> list[str]:
+    """Lines that carry a date or the word "session" and are no figure's source note: the generated blocks (between
+    `<!-- hf-kvcache:... -->` and its closing marker) hold the notes, and so does a line that names the run it cites
+    (`results/...`). A user's page states what holds; when it was measured belongs beside the figure."""
+    found, inside = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("<!-- hf-kvcache:"):
+            inside = True
+        elif line.startswith("<!-- /hf-kvcache:"):
+            inside = False
+        elif not inside and "results/" not in line and _DATE.search(line):
+            found.append(f"{number}: {line.strip()}")
+    return found
+
+
+def test_dates_and_sessions_only_in_the_figures_source_notes():
+    found = _outside_source_notes(README.read_text())
+    assert not found, "README.md carries run history outside a figure's source note (move it to BENCHMARKS.md):\n" \
+        + "\n".join(found)
+
+
+def test_the_date_check_sees_a_date_and_a_session():
+    text = "speed (2026-12-06: none that day)\n<!-- hf-kvcache:table x -->\nFrom 2026-12-02\n<!-- /hf-kvcache:table -->\n" \
+        "the ninth session\nFrom `results/bench__h100__x__20261206/a.json`\n"
+    assert [line.split(":")[0] for line in _outside_source_notes(text)] == ["1", "5"]
+
+
 def test_every_relative_link_of_the_readme_exists():
     targets = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
     assert targets
