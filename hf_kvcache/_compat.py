@@ -142,3 +142,18 @@ def crop_argument(tokens_to_remove) -> int:
     (`-(candidate_length - n_matches)`, its `n_matches` being a tensor); 5.24 passes an int. Arithmetic such as
     `n -= taken` on that tensor would change it in place, and every layer is handed the same one."""
     return int(tokens_to_remove)
+
+
+def quantized_cache(backend: str, config, **kwargs):
+    """transformers' own `QuantizedCache` of `backend` for `config`. Its fp8 backend came with 5.24; on an older
+    transformers the error says so instead of transformers' "Unknown quantization backend"."""
+    import transformers
+    from transformers import QuantizedCache
+
+    try:
+        return QuantizedCache(backend=backend, config=config, **kwargs)
+    except ValueError as error:
+        if "Unknown quantization backend" not in str(error):
+            raise
+        raise ValueError(f"transformers {transformers.__version__}'s QuantizedCache has no {backend!r} backend "
+                         "(fp8 came with 5.24): upgrade transformers, or compare another backend") from error

@@ -63,10 +63,13 @@ def _tensor_bytes(t) -> int:
 
 def layer_nbytes(layer) -> int:
     """Bytes one cache layer holds: `layer.nbytes()` of an hf-kvcache layer, else its K and V tensors
-    (`layer.keys`, `layer.values`)."""
+    (`layer.keys`, `layer.values`) and, for transformers' `QuantizedCache`, its quantized states (a backend's
+    tensors, followed into their parts: a quanto tensor's packed codes, scales and shifts)."""
     if callable(getattr(layer, "nbytes", None)):
         return int(layer.nbytes())
-    return _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+    held = _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+    quantized = [getattr(layer, name, None) for name in ("_quantized_keys", "_quantized_values")]
+    return held + sum(_storages(quantized).values())
 
 
 def cache_nbytes(cache) -> int:
@@ -90,7 +93,9 @@ def _storages(obj, skip: tuple = ()) -> dict[int, int]:
         if id(o) in seen:
             continue
         seen.add(id(o))
-        if isinstance(o, torch.Tensor):
+        if isinstance(o, torch.Tensor) and hasattr(o, "__tensor_flatten__"):  # a wrapper subclass: its parts
+            stack.extend(getattr(o, name) for name in o.__tensor_flatten__()[0])
+        elif isinstance(o, torch.Tensor):
             s = o.untyped_storage()
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         elif isinstance(o, dict):

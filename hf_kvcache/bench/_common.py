@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from .. import _compat
+from ..eval import compared
 from ..presets import make_cache
 
 LLAMA3_8B = dict(
@@ -178,11 +179,8 @@ def _make_e2e_cache(name: str, model, attention: str = "sdpa"):
 
     if name == "dynamic":
         return DynamicCache(config=model.config), "sdpa"
-    if name.startswith("hf-quanto"):
-        from transformers import QuantizedCache
-
-        nbits = int(name.split("-int")[1])
-        return QuantizedCache(backend="quanto", config=model.config, nbits=nbits), "sdpa"
+    if compared.is_compared(name):  # transformers' QuantizedCache: the model's own attention reads its copy
+        return compared.build(name, model), "sdpa"
     if _needs_model(name):
         return make_cache(name, model, **_calibration_kwargs(name, model)), attention
     return make_cache(name, model), attention
@@ -198,13 +196,16 @@ def _fill(cache, model, batch: int, context: int, chunk: int = 256) -> None:
     """Write `context` tokens of random bf16 K/V `(batch, Hkv, T, D)` into every layer of `cache`, each on its
     layer's device, as a prefill would leave them, without running the model (a 32k prefill of a large batch
     would dominate the benchmark's time; the decode step does not care what the numbers are)."""
-    from transformers import DynamicCache
+    from ..cache import QuantizedKVLayer
 
     config = _compat.text_config(model.config)
     shape = (batch, config.num_key_value_heads, context, config.head_dim)
     gen = {}
+    layers = getattr(cache, "layers", [])
     for i, dev in enumerate(_layer_devices(model)):
-        if isinstance(cache, DynamicCache):  # it keeps the tensors it is given: fresh ones for every layer
+        if i >= len(layers) or not isinstance(layers[i], QuantizedKVLayer):
+            # transformers' caches keep (or quantize) the tensors they are given: fresh ones, in one update, as a
+            # prefill writes them (QuantizedCache dequantizes its whole history at every update)
             cache.update(torch.randn(shape, device=dev, dtype=torch.bfloat16),
                          torch.randn(shape, device=dev, dtype=torch.bfloat16), i)
             continue

@@ -15,6 +15,7 @@ import time
 import torch
 
 from .. import _compat
+from ..eval import compared
 from ..presets import make_cache
 from ._common import (BenchConfig, _calibration_kwargs, _dense_cache_bytes, _fill, _make_e2e_cache, _needs_model,
                       _random_model, _set_attention, _StepClock, _sync)
@@ -168,7 +169,7 @@ def _decode_cache(name: str, model, context: int, compiled: bool, attention: str
         return DynamicCache(config=model.config), "sdpa"
     if name == "static":
         return StaticCache(config=model.config, max_cache_len=capacity), "sdpa"
-    if name.startswith("hf-quanto"):
+    if compared.is_compared(name):
         return _make_e2e_cache(name, model)
     kwargs = _calibration_kwargs(name, model) if _needs_model(name) else {}
     if compiled:

@@ -62,6 +62,7 @@ class Figures:
     speed: dict[str, list[dict]]
     columns: list[dict] = field(default_factory=list)  # the speed columns present, in order
     missing: list[str] = field(default_factory=list)
+    compared: dict = field(default_factory=dict)  # `quantizedcache_figures`, where the sources name the comparison
 
     @property
     def presets(self) -> list[str]:
@@ -191,6 +192,32 @@ def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], lis
     return points, columns, missing
 
 
+def quantizedcache_figures(sources: dict, root: Path) -> dict:
+    """The comparison with transformers' `QuantizedCache` (`sources["quantizedcache"]`): `{"figures": {spec:
+    {"delta_pct", "half_width", "kl", "top1", "bytes"}}, "command": the run's, "speed": {spec: [point]}, "columns":
+    the speed columns present}`, every figure from one eval run (bytes: what the cache held at the end of the decode
+    protocol, against a 16-bit cache) and the speed from the bench files its `speed` names, if any."""
+    qc = sources["quantizedcache"]
+    _check_run(root, qc["path"], qc)
+    found = {}
+    for entry in _read_json(root, qc["path"])["methods"]:
+        result = (entry.get("decode") or {}).get(str(qc["prefill"])) or {}
+        if result.get("delta_nll_pct") is not None:
+            found[entry["spec"]] = {"delta_pct": result["delta_nll_pct"], "kl": result["kl"], "top1": result["top1"],
+                                    "half_width": (result.get("delta_interval") or {}).get("half_width"),
+                                    "bytes": entry["memory"]["ratio"]}
+    lacking = [spec for row in qc["rows"] for spec in row if spec not in found]
+    if lacking:
+        raise ValueError(f"{qc['path']} has no decode-protocol figure at P={qc['prefill']} for {lacking}")
+    argv = _read_json(root, str(Path(qc["path"]).parent / "config.json"))["command_line"]
+    out = {"figures": found, "command": " ".join(["hf-kvcache", *argv[1:]]), "speed": {}, "columns": []}
+    if qc.get("speed"):
+        out["speed"], out["columns"], missing = speed_figures({"speed": qc["speed"]}, root)
+        if missing:
+            raise ValueError("the QuantizedCache comparison's speed files lack: " + "; ".join(missing))
+    return out
+
+
 def _bytes(sources: dict, presets: list[str]) -> dict[str, float]:
     """Every tensor one sequence's cache holds at the context, against a bf16 cache (the planner's bytes)."""
     b = sources["bytes"]
@@ -209,6 +236,8 @@ def load_figures(root: str | os.PathLike = ".", sources: str | os.PathLike | Non
     speed, columns, missing = speed_figures(config, root)
     figures = Figures(config, accuracy, {}, speed, columns, missing)
     figures.bytes = _bytes(config, figures.presets)
+    if "quantizedcache" in config:
+        figures.compared = quantizedcache_figures(config, root)
     return figures
 
 

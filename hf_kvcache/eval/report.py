@@ -486,6 +486,35 @@ def presets_table(figures) -> str:
     return "\n".join(lines) + "\n\n" + "\n\n".join(notes)
 
 
+def quantizedcache_table(figures) -> str:
+    """The README's comparison with transformers' `QuantizedCache`: its backends beside the presets of about their
+    bytes, every figure from the one run `docs/readme_sources.json` names (`quantizedcache`)."""
+    from .compared import is_compared
+
+    qc, found, columns = figures.sources["quantizedcache"], figures.compared["figures"], figures.compared["columns"]
+    header = ["cache", "bytes vs bf16", f"ΔNLL % (P={qc['prefill']})", "KL", "top-1",
+              *(_column_label(c) for c in columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for spec in (spec for row in qc["rows"] for spec in row):
+        a = found[spec]
+        lines.append("| " + " | ".join([
+            f"`{spec}`" + (" (transformers)" if is_compared(spec) else ""), f"{a['bytes']:.3f}x",
+            _delta_cell({"delta_pct": a["delta_pct"], "half_width": a["half_width"]}), f"{a['kl']:.4f}",
+            f"{a['top1']:.1%}", *(_speed_cell(figures.compared["speed"].get(spec, []), c) for c in columns)]) + " |")
+    notes = [f"One run of the decode protocol (the glossary): a prefill of {qc['prefill']} tokens, "
+             f"{qc['decode_tokens']} decoded, {qc['windows']} windows of the dev corpus; {qc['model']} on "
+             f"{qc['platform']} in {qc['dtype']}: `{figures.compared['command']}`. Bytes: what each cache holds at "
+             "the end, against a 16-bit cache (transformers' caches: their quantized tensors, codes, scales and "
+             f"shifts, and the 16-bit residual; the presets: `nbytes()`). From `{qc['path']}`."]
+    if columns:
+        notes.append(f"Speed: DynamicCache's decode step divided by the cache's, in the same run, on an "
+                     f"{qc['speed']['platform']} in {qc['speed']['dtype']}; from "
+                     + ", ".join(sorted({f"`{c['path']}`" for c in columns})) + ".")
+    else:
+        notes.append("Speed: not measured on a GPU yet (`scripts/gpu_next.sh C` runs it).")
+    return "\n".join(lines) + "\n\n" + " ".join(notes)
+
+
 def figure_rows(figures) -> list[dict]:
     """The presets as `table_rows` gives them (bytes ratio, the decode cell at the config's prefill), for the plot."""
     prefill = str(figures.sources["accuracy"]["prefill"])
@@ -497,7 +526,7 @@ def readme_blocks(figures) -> dict[str, str]:
     """`{block name: markdown}` of every block the README leaves to `update_readme`."""
     acc = figures.sources["accuracy"]
     plot = figures.sources["plot"]
-    return {
+    blocks = {
         "presets": presets_table(figures),
         "bytes-vs-dnll": (
             f"![ΔNLL against bytes per token, every preset]({plot})\n\n"
@@ -505,6 +534,9 @@ def readme_blocks(figures) -> dict[str, str]:
             f"bytes of every tensor the cache holds at {figures.sources['bytes']['context']} tokens; "
             f"{acc['model']}, {acc['platform']}, {acc['dtype']}, the fused kernels; the table's files."),
     }
+    if figures.compared:
+        blocks["quantizedcache"] = quantizedcache_table(figures)
+    return blocks
 
 
 def render_readme(text: str, blocks: dict[str, str]) -> str:

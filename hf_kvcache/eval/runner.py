@@ -112,7 +112,10 @@ def _tasks_label(cfg: EvalConfig) -> str:
 
 def _describe(spec: str) -> str:
     from ..presets import describe
+    from . import compared
 
+    if compared.is_compared(spec):
+        return compared.describe(spec)
     try:
         return describe(spec)
     except (ValueError, KeyError) as error:
@@ -122,13 +125,14 @@ def _describe(spec: str) -> str:
 def _factory(spec: str, model):
     from ..patching import unfuse
     from ..presets import make_cache
+    from . import compared
 
     def build():
-        return make_cache(spec, model)
+        return compared.build(spec, model) if compared.is_compared(spec) else make_cache(spec, model)
 
     try:  # build one now: a spec that cannot be built fails before any measurement, in one line
         build()
-    except (ValueError, KeyError, FileNotFoundError) as error:
+    except (ValueError, KeyError, FileNotFoundError, ImportError) as error:
         raise UsageError(f"cannot build cache {spec!r}: {error}") from error
     finally:
         unfuse(model)  # a RotatedCache folds its rotation into the model: each method runs on the model it expects
