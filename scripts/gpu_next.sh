@@ -2,6 +2,9 @@
 # The next GPU run (issue 52), one `run` call on the device host (torch, transformers and triton are the host's):
 #   bash scripts/gpu_next.sh A    checks: FP8 by its bits, fp16 and bf16 at users' shapes, the compiled first call
 #   bash scripts/gpu_next.sh B    speed: batch 1 x 32k eager, interleaved repeats, every front preset
+#   bash scripts/gpu_next.sh C    speed of transformers' QuantizedCache (quanto) beside the presets of its bytes, batch 1
+#                                 and 16 x 32k; carry [".whl"]: `pip download --no-deps --only-binary=:all:
+#                                 --python-version 3.12 -d .whl optimum-quanto ninja` here first
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -21,5 +24,12 @@ B)
   hf-kvcache bench --parts batch1 --e2e-context 32768 --repeats 7 \
     --decode-methods fp8-e4m3,int8,int4-g32,int4-g128,kivi-4,kivi-2,turboquant-4,turboquant-3 \
     --json "$OUT/b1_batch1.json" 2>&1 | tee "$OUT/b1_batch1.log" | tail -20
+  ;;
+C)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  # hf-fp8 needs transformers 5.24 (the host has 5.17): its speed cell stays empty
+  hf-kvcache bench --parts decode --decode-batches 1,16 --e2e-context 32768 --e2e-modes eager \
+    --decode-methods hf-quanto-int4,hf-quanto-int2,fp8-e4m3,int4-g64,kivi-4,turboquant-4,kivi-2,turboquant-2.5 \
+    --json "$OUT/c1_quantizedcache.json" 2>&1 | tee "$OUT/c1_quantizedcache.log" | tail -25
   ;;
 esac
