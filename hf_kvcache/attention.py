@@ -29,7 +29,6 @@ disappear.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
@@ -71,7 +70,7 @@ def reference_attention(
     acc = None
     total = layer.held_tokens
     pos = 0
-    for k, v in layer.iter_kv_chunks(key.new, value.new, chunk_tokens):
+    for k, v in layer.reads.iter_kv_chunks(key.new, value.new, chunk_tokens):
         c = k.shape[2]
         s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(work)) * scaling
         if softcap is not None:
@@ -127,11 +126,11 @@ def hf_kvcache_attention(
         scaling = query.shape[-1] ** -0.5
     softcap, s_aux = kwargs.get("softcap"), kwargs.get("s_aux")
     layer = key.layer
-    if layer.has_pending:
-        out = layer.replay(query, attention_mask, scaling, softcap, s_aux)  # the decode step's CUDA graph
+    if layer.graph.pending:
+        out = layer.graph.replay(query, attention_mask, scaling, softcap, s_aux)  # the decode step's CUDA graph
         if out is not None:
             return out, None
-    query = layer.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
+    query = layer.reads.rotate_query(query)  # rotated keys (RotatedCache) are read with a rotated query
     if torch.compiler.is_compiling():
         return _traced_attention(query, key, value, attention_mask, scaling, softcap, s_aux), None
     if kernels.use_kernels(query.device):
@@ -173,13 +172,11 @@ def fused_attention(
     s_aux: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The kernel path, eager: `(B, Tq, Hq, D)` in the query dtype, or None when no kernel reads this layer's layout
-    (or the mask is not boolean). `query (B, Hq, Tq, D)` in the stored keys' frame (`layer.rotate_query`)."""
-    from .kernels import ops
-
+    (or the mask is not boolean). `query (B, Hq, Tq, D)` in the stored keys' frame (`layer.reads.rotate_query`)."""
     layer = key.layer
     layer.write_pending()
-    keys, values = layer.kernel_views()
-    if keys is None or values is None or ops.supports(keys, values, query, static=True) is not None:
+    read = layer.reads.decode_read(query)
+    if read is None:
         return None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         return None
@@ -193,28 +190,11 @@ def fused_attention(
         pads = None if attention_mask is None else prefill.left_padding(attention_mask, query.shape[2],
                                                                         layer.held_tokens)
         if attention_mask is None or pads is not None:
-            return prefill.prefill_attention(query, layer, keys, values, key.new, value.new, scaling, pads=pads)
-    if chunk and getattr(layer, "_chunk_kernel_failed", False):
-        return None
-    try:
-        return ops.static_decode_attention(
-            query, keys, values, key.new, value.new, layer.static_layout(),
-            exact_new=not layer.quantize_before_attention, attention_mask=attention_mask, scaling=scaling,
-            softcap=softcap, s_aux=s_aux,
-        )
-    except RuntimeError as error:
-        # Triton 3.6 failed to compile TurboQuant-3's kernel for a 2048-token prefill chunk on the H200 (a pass of its
-        # own pipeline, "PassManager::run failed", 2026-12-02, BENCHMARKS.md): such a chunk attends by the reference
-        # instead of stopping `generate`. Nothing else is caught. Unmasked chunks of more than `prefill.PREFILL`'s
-        # rows now read a workspace instead; what still comes here (a few rows, a padded chunk) has not been run on a
-        # GPU since (none was lent on 2026-12-04), so the catch stays until a GPU run shows whether it is needed.
-        if not chunk or "PassManager::run failed" not in str(error):
-            raise
-        warnings.warn(f"hf_kvcache: the fused kernel for this layout failed to compile for {query.shape[2]} query "
-                      "tokens; prefill chunks of this cache attend by the PyTorch reference", RuntimeWarning,
-                      stacklevel=2)
-        layer._chunk_kernel_failed = True
-        return None
+            return prefill.prefill_attention(query, layer, read.keys, read.values, key.new, value.new, scaling,
+                                             pads=pads)
+    if chunk:  # a kernel that failed to compile for a chunk leaves the chunks to the reference (`attend_chunk`)
+        return layer.reads.attend_chunk(read, query, key.new, value.new, attention_mask, scaling, softcap, s_aux)
+    return read.attend(query, key.new, value.new, attention_mask, scaling, softcap, s_aux)
 
 
 def _traced_attention(query, key: KVHandle, value: KVHandle, attention_mask, scaling: float, softcap=None,
@@ -223,14 +203,9 @@ def _traced_attention(query, key: KVHandle, value: KVHandle, attention_mask, sca
     (`hf_kvcache::static_attention`) on CUDA, else attention over the whole capacity, masked (`_dense_attention`)."""
     layer = key.layer
     # (the formats are built in eager code, the prefill's: building one can read values that tracing cannot)
-    keys, values = layer.kernel_views() if kernels.use_kernels(query.device) else (None, None)
-    if (keys is not None and values is not None and kernels.ops.supports(keys, values, query, static=True) is None
-            and (attention_mask is None or attention_mask.dtype == torch.bool)):
-        return kernels.ops.static_decode_attention(
-            query, keys, values, key.new, value.new, layer.static_layout(),
-            exact_new=not layer.quantize_before_attention, attention_mask=attention_mask, scaling=scaling,
-            softcap=softcap, s_aux=s_aux,
-        )
+    read = layer.reads.decode_read(query) if kernels.use_kernels(query.device) else None
+    if read is not None and (attention_mask is None or attention_mask.dtype == torch.bool):
+        return read.attend(query, key.new, value.new, attention_mask, scaling, softcap, s_aux)
     return _dense_attention(query, key, value, attention_mask, scaling, softcap, s_aux)
 
 
@@ -238,7 +213,7 @@ def _dense_attention(query, key: KVHandle, value: KVHandle, attention_mask, scal
     """Plain attention over the whole capacity, masked to the held tokens (and by `attention_mask`), in float32
     (float64 for a float64 query, as `reference_attention`)."""
     layer = key.layer
-    k, v = layer.dense_kv(key.new, value.new)
+    k, v = layer.reads.dense_kv(key.new, value.new)
     b, hq, tq, d = query.shape
     hkv = k.shape[1]
     work = torch.promote_types(query.dtype, torch.float32)

@@ -7,8 +7,8 @@ H200: 32-63 us of host time a layer step instead of 590-2000 us, BENCHMARKS.md 2
 memory pool the graphs of one cache share on each device: a layer's graph keeps only its output between replays,
 and layers run one after another, so their temporaries can share memory. A captured step launches no cuBLAS: cuBLAS
 would leave its workspace (32 MiB on Hopper) allocated in that pool, beyond the cache's bytes (`kernels.ops.rows_times`
-does the steps' small products instead; `tests/test_cuda_graphs.py` checks what the pools keep). `GraphedDecodeStep`
-is the layer's side: whether a step can replay, its capture and its replays.
+does the steps' small products instead; `tests/test_cuda_graphs.py` checks what the pools keep). `DecodeGraph` is
+the layer's side, an object each layer keeps as `layer.graph`: whether a step can replay, its capture and its replays.
 """
 
 from __future__ import annotations
@@ -102,57 +102,102 @@ class _Graph:
     out: torch.Tensor | None = None
 
 
-class GraphedDecodeStep:
-    """The CUDA-graphed decode step of a `QuantizedKVLayer` (`hf_kvcache.layer`), one of its base classes: these
-    methods read and write the layer's storage, length and version, and own the step's state, which the layer sets up
-    with the rest of a sequence's (`_forget`): the buffers `_inputs`, the captured `_graphs`, `_replayable` (whether
-    this storage version can replay), and the token `update` left for the graph (`_step_kv`, `_pending`).
+class DecodeGraph:
+    """The CUDA-graphed decode step of one `QuantizedKVLayer` (`hf_kvcache.layer`), which keeps it as `layer.graph`.
 
-    `update` of one token calls `_can_replay`; when it can, the token waits in `_step_kv` and the attention calls
-    `replay`, which stores it, advances the length and attends in one graph replay."""
+    It owns the step's state: the buffers `inputs`, the graphs `captured` (by the step's shape), whether the layer's
+    storage version can replay (`_replayable`), and the token `update` left for the graph (`hold`, `pending`). It sees
+    the layer through a narrow surface: whether the layer allows graphs (`cuda_graphs`, `fused`, `offloaded`), its
+    storage `version`, its read (`layer.reads.decode_read`, `rotate_query`), the codecs still observing a statistic
+    (`layer.observing`), `store_token` (one token written at the length, which it advances: device work only),
+    `capacity`, `device`, `policy` and `quantize_before_attention`.
 
-    def _can_replay(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    `update` of one token asks `takes`; when it can, the token waits (`hold`) and the attention calls `replay`, which
+    stores it, advances the length and attends in one graph replay; any other read stores it first
+    (`store_pending`)."""
+
+    def __init__(self, layer, pools: GraphPools):
+        # a proxy: the layer owns this part, and a cycle would keep a deleted cache's memory until the
+        # collector runs
+        self.layer = weakref.proxy(layer)
+        self.pools = pools
+        self.forget()
+
+    def forget(self) -> None:
+        """No step held, no buffers, no graphs (a new sequence)."""
+        self.pending = False
+        self._step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.inputs: _StepInputs | None = None
+        self.captured: dict[tuple, _Graph] = {}
+        self._replayable: tuple[int, bool] | None = None
+
+    def drop_pending(self) -> None:
+        """Forget a held step without storing it (`reset` of a pinned layer)."""
+        self.pending, self._step_kv = False, None
+
+    def release_inputs(self) -> None:
+        """New input buffers at the next step (the old ones were made under inference mode): the graphs read the old
+        ones, so they go too."""
+        self.inputs = None
+        self.captured = {}
+
+    def takes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether this decode step can run as a CUDA graph: CUDA, the fused path and its kernels, no per-sequence
         statistic still to observe, nothing offloaded, and not inside someone else's capture."""
-        if not (self.cuda_graphs and self.fused and key_states.is_cuda and not self._offloaded and enabled()
+        layer = self.layer
+        if not (layer.cuda_graphs and layer.fused and key_states.is_cuda and not layer.offloaded and enabled()
                 and kernels.use_kernels(key_states.device)) or torch.cuda.is_current_stream_capturing():
             return False
-        if self._replayable is None or self._replayable[0] != self._version:
-            views = self._streams["keys"].kernel_view(), self._streams["values"].kernel_view()
-            ok = (None not in views and not any(s.codec.observing for s in self._streams.values())
-                  and kernels.ops.supports(*views, key_states, static=True) is None)
-            self._replayable = (self._version, ok)
+        if self._replayable is None or self._replayable[0] != layer.version:
+            ok = not layer.observing() and layer.reads.decode_read(key_states) is not None
+            self._replayable = (layer.version, ok)
         if not self._replayable[1]:
             return False
-        if self._inputs is None or self._inputs.k.shape != key_states.shape or self._inputs.v.shape != value_states.shape:
-            self._inputs = _StepInputs(key_states, value_states)
-            self._version += 1  # a captured step reads the old buffers
+        if self.inputs is None or self.inputs.k.shape != key_states.shape or self.inputs.v.shape != value_states.shape:
+            self.inputs = _StepInputs(key_states, value_states)
+            self.captured = {}  # a captured step reads the old buffers
         return True
+
+    def hold(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep this step's token for `replay` (after `takes`) -> the buffers it will be copied into, which the
+        attention's handles name as the step's new keys and values."""
+        self._step_kv = (key_states, value_states)
+        self.pending = True
+        return self.inputs.k, self.inputs.v
 
     def _take_step_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         kv, self._step_kv = self._step_kv, None
         return kv
 
-    @property
-    def has_pending(self) -> bool:
-        return self._pending
+    def store_pending(self) -> None:
+        """Store the held token eagerly (its attention did not come, or cannot be replayed)."""
+        if not self.pending:
+            return
+        self.pending = False
+        k, v = self.inputs.k, self.inputs.v
+        torch._foreach_copy_([k, v], self._take_step_kv())
+        rotation = self.layer.policy.key_rotation
+        if rotation is not None:
+            k.copy_(rotation.apply(k))  # in place: the handle's exact new keys are in the stored frame
+        self.layer.store_token(k, v, start=self.layer.held_tokens - 1)
 
     def replay(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
                softcap: float | None, s_aux: torch.Tensor | None) -> torch.Tensor | None:
-        """The pending decode step: store the token `update` left in `_inputs`, advance the length and attend, from
-        this layer's CUDA graph for these inputs (the first time: eagerly, then captured) -> `(B, 1, Hq, D)`, a buffer
-        the next replay overwrites. None when the step cannot be a graph (a float mask): then it is stored eagerly."""
+        """The held decode step: store its token, advance the length and attend, from this layer's CUDA graph for
+        these inputs (the first time: eagerly, then captured) -> `(B, 1, Hq, D)`, a buffer the next replay
+        overwrites. None when the step cannot be a graph (a float mask): then it is stored eagerly."""
+        layer = self.layer
         if attention_mask is not None and attention_mask.dtype != torch.bool:
-            self.write_pending()
+            self.store_pending()
             return None
-        self._pending = False
+        self.pending = False
         new_kv = self._take_step_kv()
         key = (float(scaling), softcap, None if s_aux is None else s_aux.data_ptr(), tuple(query.shape), query.dtype,
-               None if attention_mask is None else tuple(attention_mask.shape[:3]), self.quantize_before_attention)
-        entry = self._graphs.get(key)
-        if entry is not None and entry.version == self._version:
-            if self.device.index != torch.cuda.current_device():
-                with torch.cuda.device(self.device):
+               None if attention_mask is None else tuple(attention_mask.shape[:3]), layer.quantize_before_attention)
+        entry = self.captured.get(key)
+        if entry is not None and entry.version == layer.version:
+            if layer.device.index != torch.cuda.current_device():
+                with torch.cuda.device(layer.device):
                     self._replay(entry, query, new_kv, attention_mask)
             else:
                 self._replay(entry, query, new_kv, attention_mask)
@@ -161,46 +206,39 @@ class GraphedDecodeStep:
         # for the next ones, over buffers of its own.
         mask = None
         if attention_mask is not None:
-            mask = torch.zeros((*attention_mask.shape[:3], self.capacity), dtype=torch.bool, device=self.device)
+            mask = torch.zeros((*attention_mask.shape[:3], layer.capacity), dtype=torch.bool, device=layer.device)
             mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
-        torch._foreach_copy_([self._inputs.k, self._inputs.v], new_kv)
-        entry = _Graph(self._version, query.contiguous().clone(), mask)
+        torch._foreach_copy_([self.inputs.k, self.inputs.v], new_kv)
+        entry = _Graph(layer.version, query.contiguous().clone(), mask)
         out = self._graph_step(entry, scaling, softcap, s_aux)
         try:
-            entry.graph, entry.out = self.graph_pools.capture(
-                self.device, lambda: self._graph_step(entry, scaling, softcap, s_aux))
+            entry.graph, entry.out = self.pools.capture(
+                layer.device, lambda: self._graph_step(entry, scaling, softcap, s_aux))
         except RuntimeError as error:
             warnings.warn(f"hf_kvcache: a decode step could not be captured in a CUDA graph "
                           f"({str(error).splitlines()[0]}); this layer runs its steps eagerly from now on",
                           RuntimeWarning, stacklevel=2)
-            self.cuda_graphs = False
+            layer.cuda_graphs = False
             return out
-        self._graphs = {k: v for k, v in self._graphs.items() if v.version == self._version}
-        self._graphs[key] = entry
+        self.captured = {k: v for k, v in self.captured.items() if v.version == layer.version}
+        self.captured[key] = entry
         return out
 
     def _replay(self, entry: _Graph, query: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None) -> None:
         # the query and the new K/V into the graph's buffers in one launch, not three (each launch costs host time)
-        torch._foreach_copy_([entry.q, self._inputs.k, self._inputs.v], [query, *new_kv])
+        torch._foreach_copy_([entry.q, self.inputs.k, self.inputs.v], [query, *new_kv])
         if attention_mask is not None:
             entry.mask[..., : attention_mask.shape[-1]].copy_(attention_mask)
         entry.graph.replay()
 
     def _graph_step(self, entry: _Graph, scaling: float, softcap: float | None,
                     s_aux: torch.Tensor | None) -> torch.Tensor:
-        """One decode step from `_inputs` and `entry`'s buffers, device work only (what a CUDA graph records): store the
+        """One decode step from `inputs` and `entry`'s buffers, device work only (what a CUDA graph records): store the
         token at the length, advance it, attend with the kernels (every length read from the device)."""
-        inputs = self._inputs
+        layer, inputs = self.layer, self.inputs
         k = inputs.k
-        if self.policy.key_rotation is not None:
-            k = self.policy.key_rotation.apply(k)
-        p = self.length + torch.arange(1, device=self.device)
-        self._streams["keys"].write(k, p, self.pad_lengths, self._first_position)
-        self._streams["values"].write(inputs.v, p, self.pad_lengths, self._first_position)
-        self.length.add_(1)
-        keys, values = self._streams["keys"].kernel_view(), self._streams["values"].kernel_view()
-        return kernels.ops.static_decode_attention(
-            self.rotate_query(entry.q), keys, values, k, inputs.v, self.static_layout(),
-            exact_new=not self.quantize_before_attention, attention_mask=entry.mask, scaling=scaling, softcap=softcap,
-            s_aux=s_aux)
+        if layer.policy.key_rotation is not None:
+            k = layer.policy.key_rotation.apply(k)
+        layer.store_token(k, inputs.v)
+        return layer.reads.kernel_read().attend(layer.reads.rotate_query(entry.q), k, inputs.v, entry.mask, scaling, softcap, s_aux)

@@ -7,15 +7,15 @@ ones in the model dtype, and every other token as codes and scales written by a 
 
 One storage serves every mode. The number of tokens held is a device tensor the kernels read, so that:
 - eager on CUDA, a layer's decode step (pack the new token, advance the length, attend, combine) is the same launches
-  at every step, and the layer replays them from a CUDA graph (`hf_kvcache.graphs`: `GraphedDecodeStep`): about as
-  much host time as DynamicCache's step, with a fraction of its bytes to read;
+  at every step, and the layer replays them from a CUDA graph (`hf_kvcache.graphs`: `DecodeGraph`): about as
+  much host time as DynamicCache's step, with a fraction of its bytes to read (the layer's `graph`);
 - with `max_cache_len` (the capacity pinned), `update` and the attention run without host reads or Python branches on
   data, the layers say `is_compileable`, and `generate` compiles the decode step by itself (Inductor and CUDA graphs).
 Without `max_cache_len` the capacity grows by itself when a write would not fit: by `_GROWTH` (at least `_MIN_GROW`
 tokens) at a decode step, to what a longer write needs plus `_MIN_GROW`; each packed row is copied once per growth,
 and a growth that runs out of memory raises before anything held moves.
 
-Two read paths (docs/design.md; the layer's reads are `read.py`'s `LayerReads`): fused (`update()` returns a
+Two read paths (docs/design.md; the layer's `reads`, a `LayerReads` of `hf_kvcache.read`): fused (`update()` returns a
 `KVHandle`, which the attention reads from the packed storage, never building the full dense K/V) and dense
 (`update()` returns K/V dequantized to the model dtype, what the model's own attention consumes); the cache decides
 which (`QuantizedKVCache.read`).
@@ -32,7 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import _compat, graphs
 from .codec import LayerPolicy
-from .graphs import GraphedDecodeStep
+from .graphs import DecodeGraph
 from .read import LayerReads
 from .storage import StreamStorage, mark_static
 
@@ -106,7 +106,7 @@ class KVHandle:
         return self.new.device
 
 
-class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
+class QuantizedKVLayer(CacheLayerMixin):
     """One decoder layer's quantized K/V in sink, packed and ring places (`hf_kvcache.storage`), its length on the
     device.
 
@@ -115,6 +115,10 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
     `update(keys (B, Hkv, T, D), values (B, Hkv, T, D))` returns, on the dense path, `(B, Hkv, S, D)` tensors (S: the
     tokens held, or the pinned capacity, whose rows past the length the mask `get_mask_sizes` sizes hides), or two
     `KVHandle`s on the fused path. `length` (0-dim int64, on the device) counts the tokens held.
+
+    Its parts are objects over its storage (`streams`, the counts): `reads` (`hf_kvcache.read.LayerReads`: the dense
+    reads and the fused one) and `graph` (`hf_kvcache.graphs.DecodeGraph`: the CUDA-graphed decode step and its state).
+    `version` changes whenever what a captured step reads moves (storage, codec state, padding).
     """
 
     is_croppable = True
@@ -132,16 +136,17 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         self.is_sliding = sliding_window is not None and not self.pinned
         # A sliding layer never attends to the first tokens once past its window: sinks would be dead weight.
         sink = 0 if sliding_window is not None else policy.sink_tokens
-        self._streams = {
+        self.streams = {
             "keys": StreamStorage(policy.key_codec, sink, policy.key_residual_length, policy.key_flush),
             "values": StreamStorage(policy.value_codec, sink, policy.value_residual_length, policy.value_flush),
         }
-        self.graph_pools = graph_pools if graph_pools is not None else graphs.GraphPools()
         self.cuda_graphs = True  # eager decode steps on CUDA replay a CUDA graph (the cache turns it off to offload)
         self.fused = False  # set by the cache at each update (`QuantizedKVCache._reads_fused`)
         self.quantize_before_attention = False
-        self._offloaded = False  # every place's storage is in CPU memory (`offload`), until `prefetch`
-        self._version = 0  # bumped whenever what a captured step reads moves (storage, codec state, padding)
+        self.offloaded = False  # every place's storage is in CPU memory (`offload`), until `prefetch`
+        self.version = 0  # bumped whenever what a captured step reads moves (storage, codec state, padding)
+        self.reads = LayerReads(self)
+        self.graph = DecodeGraph(self, graph_pools if graph_pools is not None else graphs.GraphPools())
         self._forget()
 
     def _forget(self) -> None:
@@ -158,12 +163,8 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         self.pad_lengths: torch.Tensor | None = None  # (B,) left padding per row, when transformers tells us
         self._pads_settled = False  # the prompt came in one piece: its padding is known
         self.dtype: torch.dtype | None = None
-        self._pending = False  # a decode step's K/V (`_step_kv`) wait for the attention to store them (`replay`)
-        self._step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._inputs: graphs._StepInputs | None = None  # the CUDA-graphed step's state (`graphs.GraphedDecodeStep`)
-        self._graphs: dict[tuple, graphs._Graph] = {}
-        self._replayable: tuple[int, bool] | None = None
-        self._version += 1
+        self.graph.forget()
+        self.version += 1
 
     # ------------------------------------------------------------------ CacheLayerMixin
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -171,38 +172,38 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         self.dtype = key_states.dtype
         self.batch_size, self.num_heads, t, _ = key_states.shape
         for name, x in (("keys", key_states), ("values", value_states)):
-            self._streams[name].codec.check_head_dim(x.shape[-1])
+            self.streams[name].codec.check_head_dim(x.shape[-1])
         capacity = self.max_cache_len if self.pinned else _grown(t, t)
         for name, x in (("keys", key_states), ("values", value_states)):
-            self._streams[name].allocate(self.batch_size, self.num_heads, x.shape[-1], x.dtype, x.device, capacity,
+            self.streams[name].allocate(self.batch_size, self.num_heads, x.shape[-1], x.dtype, x.device, capacity,
                                          static_address=self.pinned)
         self.capacity = capacity
         self.length = torch.zeros((), dtype=torch.long, device=self.device)
         if self.pinned and not _compiling():
             torch._dynamo.mark_static_address(self.length)
         self.is_initialized = True
-        self._version += 1
+        self.version += 1
 
     def _writable(self) -> None:
         """Storage made under `torch.inference_mode()` cannot be written outside it (a prompt prefilled under
         inference_mode, then `generate`, which runs under no_grad): copy it once into normal tensors."""
         if not (self.is_initialized and self.length.is_inference()) or torch.is_inference_mode_enabled():
             return
-        for s in self._streams.values():
+        for s in self.streams.values():
             s.move(torch.clone)
         self.length = self.length.clone()
         if isinstance(self._first_position, torch.Tensor):
             self._first_position = self._first_position.clone()
         if self.pad_lengths is not None:
             self.pad_lengths = self.pad_lengths.clone()
-        self._inputs = None
-        self._version += 1
+        self.graph.release_inputs()
+        self.version += 1
 
     def _mark_state_static(self) -> None:
         """A pinned layer's per-sequence tensors (its padding, the codecs' frozen state) at fixed addresses, as its
         storage is: the compiled decode step's CUDA graph reads them where they are, instead of copying each into an
         input buffer of its own at every replay (24 copies a step for `fp8-e4m3` on 8 layers, BENCHMARKS.md run 8)."""
-        for t in (self.pad_lengths, *(x for s in self._streams.values() for x in s.codec.state.values())):
+        for t in (self.pad_lengths, *(x for s in self.streams.values() for x in s.codec.state.values())):
             if isinstance(t, torch.Tensor):
                 mark_static(t)
 
@@ -211,13 +212,13 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         """The keys' storage, holding every token counted (a decode step's token left for the graphed attention is
         stored first)."""
         self.write_pending()
-        return self._streams["keys"]
+        return self.streams["keys"]
 
     @property
     def value_stream(self) -> StreamStorage:
         """The values' storage, as `key_stream`."""
         self.write_pending()
-        return self._streams["values"]
+        return self.streams["values"]
 
     def _host_held(self) -> int:
         if self._host_length is None:  # compiled steps ran since: one read, in eager code only
@@ -267,12 +268,12 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         if self.policy.key_rotation is not None:
             key_states = self.policy.key_rotation.apply(key_states)
         p = self.length + torch.arange(t, device=self.device)  # (T,) held indices of the new tokens
-        self._streams["keys"].write(key_states, p, self.pad_lengths)
-        self._streams["values"].write(value_states, p, self.pad_lengths)
+        self.streams["keys"].write(key_states, p, self.pad_lengths)
+        self.streams["values"].write(value_states, p, self.pad_lengths)
         self.length.add_(t)
         if self.fused:
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
-        return self._capacity_dense("keys", key_states, p), self._capacity_dense("values", value_states, p)
+        return self.reads.capacity_dense("keys", key_states, p), self.reads.capacity_dense("values", value_states, p)
 
     def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor, kwargs: dict):
         t = key_states.shape[2]
@@ -295,27 +296,26 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
             if pads is not None:
                 if self.pad_lengths is None or self.pad_lengths.shape != pads.shape:
                     self.pad_lengths = pads
-                    self._version += 1  # a captured step reads the tensor
+                    self.version += 1  # a captured step reads the tensor
                 else:
                     self.pad_lengths.copy_(pads)
             self._pads_settled = t > 1
         self._host_length = held + t
         self.cumulative_length += t
-        if t == 1 and self._can_replay(key_states, value_states):
-            # The attention stores this token and attends in one CUDA graph (`replay`), which copies it into the
+        if t == 1 and self.graph.takes(key_states, value_states):
+            # The attention stores this token and attends in one CUDA graph (`graph.replay`), which copies it into the
             # graph's buffers with the query in one launch.
-            self._step_kv = (key_states, value_states)
-            self._pending = True
-            return KVHandle(self, "keys", self._inputs.k), KVHandle(self, "values", self._inputs.v)
-        observed = any(s.codec.observing for s in self._streams.values())
+            k, v = self.graph.hold(key_states, value_states)
+            return KVHandle(self, "keys", k), KVHandle(self, "values", v)
+        observed = self.observing()
         if observed:
-            self._version += 1  # this write sets a codec's per-sequence state, which a captured step reads
+            self.version += 1  # this write sets a codec's per-sequence state, which a captured step reads
         if self.policy.key_rotation is not None:
             key_states = self.policy.key_rotation.apply(key_states)
         p = self.length + torch.arange(t, device=self.device)
         try:
             for name, x in (("keys", key_states), ("values", value_states)):
-                self._streams[name].write(x, p, self.pad_lengths, self._first_position, start=held)
+                self.streams[name].write(x, p, self.pad_lengths, self._first_position, start=held)
         except BaseException:
             # Nothing of this call is held (a write past the length is never read): the counts go back.
             self._host_length = held
@@ -327,8 +327,8 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         if self.fused:
             return KVHandle(self, "keys", key_states), KVHandle(self, "values", value_states)
         if self.pinned:
-            return self._capacity_dense("keys", key_states, p), self._capacity_dense("values", value_states, p)
-        return self._held_dense("keys", key_states), self._held_dense("values", value_states)
+            return self.reads.capacity_dense("keys", key_states, p), self.reads.capacity_dense("values", value_states, p)
+        return self.reads.held_dense("keys", key_states), self.reads.held_dense("values", value_states)
 
     def _make_room(self, held: int, t: int) -> None:
         """Raise (a pinned capacity), or grow, before anything of this write is stored."""
@@ -353,7 +353,7 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         """Every stream to `capacity` tokens (at least what is held): all new buffers allocated first, so that running
         out of memory raises with everything held where it was."""
         try:
-            buffers = {name: s.new_packed(capacity) for name, s in self._streams.items()}
+            buffers = {name: s.new_packed(capacity) for name, s in self.streams.items()}
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(
                 f"resizing this cache layer from {self.capacity} to {capacity} tokens ran out of device memory; the "
@@ -361,26 +361,28 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
                 f"bytes a token (hf-kvcache plan), or pin the capacity up front (max_cache_len=...). "
                 f"{str(error).splitlines()[0]}"
             ) from error
-        for name, s in self._streams.items():
+        for name, s in self.streams.items():
             s.resize(capacity, buffers[name])
         self.capacity = capacity
-        self._version += 1
+        self.version += 1
 
     def write_pending(self) -> None:
         """Store a decode step's token that `update` left for the graphed attention, eagerly (that attention did not
         come, or cannot be replayed)."""
-        if not self._pending:
-            return
-        self._pending = False
-        k, v = self._inputs.k, self._inputs.v
-        torch._foreach_copy_([k, v], self._take_step_kv())
-        if self.policy.key_rotation is not None:
-            k.copy_(self.policy.key_rotation.apply(k))  # in place: the handle's exact new keys are in the stored frame
-        held = self._host_held() - 1
+        if self.graph.pending:
+            self.graph.store_pending()
+
+    def store_token(self, k: torch.Tensor, v: torch.Tensor, start: int | None = None) -> None:
+        """Write one token a row `(B, Hkv, 1, D)` (keys in the stored frame) at the length and advance it: device work
+        only, what a captured decode step records (`start`: the host's count of tokens held before it, when known)."""
         p = self.length + torch.arange(1, device=self.device)
         for name, x in (("keys", k), ("values", v)):
-            self._streams[name].write(x, p, self.pad_lengths, self._first_position, start=held)
+            self.streams[name].write(x, p, self.pad_lengths, self._first_position, start=start)
         self.length.add_(1)
+
+    def observing(self) -> bool:
+        """Whether a codec still observes a per-sequence statistic at its next write (TurboQuant's, at the first)."""
+        return any(s.codec.observing for s in self.streams.values())
 
     # ------------------------------------------------------------------ sliding windows (a growing layer)
     def _window_excess(self) -> int:
@@ -394,7 +396,7 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
             return 0
         held = self._host_held()
         n = excess
-        while n > 0 and not all(s.may_drop(n, held) for s in self._streams.values()):
+        while n > 0 and not all(s.may_drop(n, held) for s in self.streams.values()):
             n -= 1
         return n
 
@@ -403,11 +405,11 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         if not n:
             return
         held = self._host_held()
-        for s in self._streams.values():
+        for s in self.streams.values():
             s.drop_front(n, held, self.pad_lengths, self._first_position + n)
         if isinstance(self._first_position, int):
             self._first_position = torch.zeros((), dtype=torch.long, device=self.device)
-            self._version += 1
+            self.version += 1
         self._first_position.add_(n)  # in place: a captured step reads it
         self.length.sub_(n)
         self._host_length = held - n
@@ -439,11 +441,11 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self) -> None:
-        for s in self._streams.values():
+        for s in self.streams.values():
             s.codec.reset()
         if not self.pinned:
             # Forget the sequence and give its storage back; how it is read stays (the cache sets these flags once).
-            for s in self._streams.values():
+            for s in self.streams.values():
                 s.release()
             self._forget()
             return
@@ -451,14 +453,14 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         if self.is_initialized:
             self._writable()
             self.length.zero_()
-            for s in self._streams.values():
+            for s in self.streams.values():
                 s.reset()
         self._host_length = 0
         self.cumulative_length = 0
         self.pad_lengths = None
         self._pads_settled = False
-        self._pending, self._step_kv = False, None
-        self._version += 1
+        self.graph.drop_pending()
+        self.version += 1
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end. Like transformers: a negative value removes that many tokens, a positive
@@ -489,7 +491,7 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         self.length.fill_(kept)
         self._host_length = kept
         self.cumulative_length -= n
-        for s in self._streams.values():
+        for s in self.streams.values():
             s.refill_ring(kept, self.dtype)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -508,40 +510,40 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
             return
         self._writable()
         self.write_pending()
-        if self._offloaded and self.device.type == "cuda":
+        if self.offloaded and self.device.type == "cuda":
             # An offloaded layer is reordered where it is: beam search reorders every step, and bringing every layer
             # back for it would undo the offloading. The copies out are asynchronous: wait for them first.
             torch.cuda.synchronize(self.device)
-        in_place = in_place and not self._offloaded
-        for s in self._streams.values():
+        in_place = in_place and not self.offloaded
+        for s in self.streams.values():
             s.map_batch(fn, in_place)
         if self.pad_lengths is not None:
             self.pad_lengths = self.pad_lengths.copy_(fn(self.pad_lengths)) if in_place else fn(self.pad_lengths)
         self.batch_size = next(iter(self.key_stream.packed.values())).shape[0]
         if not in_place:
-            self._version += 1
+            self.version += 1
 
     def offload(self) -> None:
         """Move the storage of every place (sink, packed fields, ring, codec state) to CPU memory without waiting for
         the copy (transformers' offloading: `QuantizedKVCache.enable_offloading`). `prefetch` brings it back; every
         method that touches the storage does so first. A no-op on a CPU layer. The length stays on the device."""
-        if self.is_initialized and not self._offloaded and self.device.type != "cpu":
-            for s in self._streams.values():
+        if self.is_initialized and not self.offloaded and self.device.type != "cpu":
+            for s in self.streams.values():
                 s.move(lambda t: t.to("cpu", non_blocking=True))  # from CUDA: into pinned memory
-            self._offloaded = True
-            self._version += 1
+            self.offloaded = True
+            self.version += 1
 
     def prefetch(self) -> None:
         """Move an offloaded layer's storage back to its device, without waiting (on the current stream)."""
-        if self._offloaded:
-            for s in self._streams.values():
+        if self.offloaded:
+            for s in self.streams.values():
                 s.move(lambda t: t.to(self.device, non_blocking=True))
-            self._offloaded = False
-            self._version += 1
+            self.offloaded = False
+            self.version += 1
 
     def stored_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this layer holds, keys then values (where they live: `offload`, device placement)."""
-        for s in self._streams.values():
+        for s in self.streams.values():
             yield from s.tensors()
 
     # ------------------------------------------------------------------ accounting
@@ -549,8 +551,8 @@ class QuantizedKVLayer(CacheLayerMixin, GraphedDecodeStep, LayerReads):
         """Bytes the held tokens take: codes, scales, zeros, codec state, window and sinks (the capacity's spare rows
         are `allocated_nbytes`)."""
         held = self.held_tokens
-        return sum(s.nbytes(held) for s in self._streams.values())
+        return sum(s.nbytes(held) for s in self.streams.values())
 
     def allocated_nbytes(self) -> int:
         """Bytes allocated: what is held plus the capacity not filled yet."""
-        return sum(s.allocated_nbytes() for s in self._streams.values())
+        return sum(s.allocated_nbytes() for s in self.streams.values())

@@ -11,7 +11,7 @@ Each piece attends without a mask (every history token precedes every query toke
 kv-head folded into its rows (`(B, Hkv, G*Tq, D)`: GQA without repeating K/V); the chunk attends to itself causally;
 the parts combine by their log-sum-exps. TurboQuant's packed tokens are dequantized in the codec's frame F (its
 attention runs there with the query rotated in, `q F`, and its output rotated back, `o F^T`), its exact tokens in the
-model's. KVQuant's history is dequantized by its reference codecs (`QuantizedKVLayer.iter_kv_chunks`).
+model's. KVQuant's history is dequantized by its reference codecs (`LayerReads.iter_kv_chunks`).
 
 `hf_kvcache.attention.fused_attention` takes this path on CUDA for a chunk of more than `PREFILL["min_rows"]` query
 rows (Tq times the query heads per kv-head) whose mask is plain causal, or causal with each batch row's first tokens
@@ -74,7 +74,7 @@ _CHECK_ROWS = 256
 
 def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: StreamTensors, k_new: torch.Tensor,
                       v_new: torch.Tensor, scaling: float, pads: list[int] | None = None) -> torch.Tensor:
-    """`query (B, Hq, Tq, D)` (keys' frame: `layer.rotate_query` applied) over the history `layer` held before this
+    """`query (B, Hq, Tq, D)` (keys' frame: `layer.reads.rotate_query` applied) over the history `layer` held before this
     chunk (`keys`/`values`: its kernel views) and the chunk's own exact `k_new`/`v_new (B, Hkv, Tq, D)`, causal ->
     `(B, Tq, Hq, D)` in the query dtype. `pads`: each batch row's first tokens that nothing attends to (as
     `left_padding` finds them; a mask of one row stands for every row), else none."""
@@ -85,7 +85,7 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
         pads = None
     hkv = k_new.shape[1]
     g = hq // hkv
-    static = layer.static_layout()
+    static = layer.reads.static_layout()
     held = layer.held_tokens
     stop = held - tq  # history tokens
     folded = query.reshape(b, hkv, g * tq, d)  # rows (g, t) of each kv-head: a view when the query is contiguous
@@ -111,7 +111,7 @@ def prefill_attention(query: torch.Tensor, layer, keys: StreamTensors, values: S
             parts.append(_attend_from(folded, wk, wv, False, scaling, starts))
     elif history == "reference":
         pos = 0
-        for k, v in layer.iter_kv_chunks(k_new, v_new, chunk_tokens=_piece_tokens(query, hkv)):
+        for k, v in layer.reads.iter_kv_chunks(k_new, v_new, chunk_tokens=_piece_tokens(query, hkv)):
             if pos >= stop:
                 break
             parts.append(_attend_from(folded, k.contiguous(), v.contiguous(), False, scaling, _starts(pads, pos)))

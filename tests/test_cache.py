@@ -109,6 +109,27 @@ def test_second_generate_continues_the_first():
     assert torch.equal(full, ref)
 
 
+def test_a_deleted_cache_is_freed_at_once_not_by_the_collector():
+    """A layer's parts (`reads`, `graph`) see it through a proxy: no reference cycle keeps a deleted cache's storage
+    (GPU memory, on a GPU) alive until Python's cycle collector happens to run."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    cache = LosslessCache(model.config, **LAYOUTS["kivi-like"])
+    _chunked_logits(model, tiny_input_ids(model, batch=1, length=20), cache, [19, 1])
+    layer, storage = weakref.ref(cache.layers[0]), weakref.ref(cache.layers[0].streams["keys"])
+    assert cache.layers[0].reads.layer.held_tokens == 20 and cache.layers[0].graph.layer.capacity > 0
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del cache
+        assert layer() is None and storage() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _layer(cache, idx=0) -> QuantizedKVLayer:
     return cache.layers[idx]
 

@@ -191,7 +191,7 @@ class LayerMachine(RuleBasedStateMachine):
             for handle, name, new in zip(out, STREAMS, (k_new, v_new)):
                 assert isinstance(handle, KVHandle) and handle.stream == name and handle.new is new
                 assert handle.shape == (self.batch, self.heads, kv_len, D)
-            chunks = list(layer.iter_kv_chunks(k_new, v_new, chunk_tokens=chunk))
+            chunks = list(layer.reads.iter_kv_chunks(k_new, v_new, chunk_tokens=chunk))
             for k, v in chunks:
                 assert k.shape[2] == v.shape[2] > 0, [(k.shape, v.shape) for k, v in chunks]
             got = [torch.cat([c[i] for c in chunks], dim=2) for i in (0, 1)]

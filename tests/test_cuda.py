@@ -49,7 +49,7 @@ def test_the_models_own_attention_reads_through_the_kernels(spec, attn):
         outs.append(model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=30, do_sample=False,
                                    **_compat.cache_kwargs(cache)))
         layers = [layer for layer in cache.layers if hasattr(layer, "fused")]
-        assert all(layer.fused for layer in layers) and all(layer._graphs for layer in layers)
+        assert all(layer.fused for layer in layers) and all(layer.graph.captured for layer in layers)
     assert torch.equal(outs[0], outs[1])
 
 

@@ -25,7 +25,7 @@ def _generate(model, ids, mask, cache, n, **kwargs):
 
 def _replays(cache) -> int:
     """Graphs captured over the cache's layers (each replayed from then on)."""
-    return sum(len(getattr(layer, "_graphs", {})) for layer in cache.layers)
+    return sum(len(layer.graph.captured) for layer in cache.layers)
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -41,7 +41,7 @@ def test_graphed_steps_give_the_reference_tokens(spec, easy, hard, name, monkeyp
     ids, mask = ids.cuda(), mask.cuda()
     cache = make_cache(spec, model, **hard)
     graphed = _generate(model, ids, mask, cache, 160)
-    views = cache.layers[0].kernel_views()
+    views = cache.layers[0].reads.kernel_views()
     query = torch.empty(1, 1, 1, model.model.layers[0].self_attn.head_dim, device="cuda")
     if None not in views and kernels.ops.supports(*views, query, static=True) is None:  # a layout the kernels read
         assert _replays(cache) > 0, "no step was replayed"

@@ -326,3 +326,28 @@ def test_every_package_is_installed():
     names = set(re.findall(r'"([\w.]+)"', listed.group(1)))
     packages = {name for name, path in _modules().items() if path.name == "__init__.py"}
     assert packages <= names, f"packages missing from pyproject.toml's [tool.setuptools] packages: {packages - names}"
+
+
+def _reaches_into_a_layer(tree: ast.AST) -> list[int]:
+    """Lines that read or write an underscore attribute of a name `layer` (or `self.layer`, `key.layer`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "layer") or \
+                    (isinstance(owner, ast.Attribute) and owner.attr == "layer"):
+                found.append(node.lineno)
+    return found
+
+
+def test_a_layers_parts_are_objects_over_its_public_surface():
+    """A layer's reads and its CUDA-graphed step are objects it keeps (`layer.reads`, `layer.graph`), not base classes
+    sharing its private state; they, the attention and the prefill see the layer through public names only (the
+    attention used to set `layer._chunk_kernel_failed`)."""
+    layer_class = next(node for node in ast.walk(_tree("hf_kvcache.layer"))
+                       if isinstance(node, ast.ClassDef) and node.name == "QuantizedKVLayer")
+    assert [ast.unparse(base) for base in layer_class.bases] == ["CacheLayerMixin"]
+    found = [f"{module}:{line}" for module in _modules() if module != "hf_kvcache.layer"
+             for line in _reaches_into_a_layer(_tree(module))]
+    assert not found, f"private state of a layer reached from outside it: {found}"
+    assert _reaches_into_a_layer(ast.parse("layer._x = 1\nself.layer._y\nlayer.y\nkey.layer._z()")) == [1, 2, 4]

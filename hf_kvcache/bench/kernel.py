@@ -51,7 +51,7 @@ def _attend(q, kh, vh, scale):
     (RotatedCache's query rotation; nothing for the others)."""
     from ..attention import fused_attention
 
-    return fused_attention(kh.layer.rotate_query(q), kh, vh, None, scale)
+    return fused_attention(kh.layer.reads.rotate_query(q), kh, vh, None, scale)
 
 
 def _filled_layer(spec: str, k: torch.Tensor, v: torch.Tensor, config):
@@ -98,7 +98,7 @@ def kernel_part(cfg: BenchConfig, log=print) -> list[dict]:
                     log(f"{spec}: no kernel for this layout")
                     continue
                 if b * s <= 16 * 32768:  # check against the reference where it is affordable
-                    ref = reference_attention(kh.layer.rotate_query(q), kh, vh, None, scale, chunk_tokens=4096)
+                    ref = reference_attention(kh.layer.reads.rotate_query(q), kh, vh, None, scale, chunk_tokens=4096)
                     err = (out.float() - ref.transpose(1, 2)).abs().max().item()
                 else:
                     err = float("nan")

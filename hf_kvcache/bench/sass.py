@@ -108,7 +108,7 @@ def count(spec: str, arch: int = 90) -> dict:
             from ..attention import fused_attention
 
             kh, vh = layer.update(k[:, :, -1:].clone(), v[:, :, -1:].clone())
-            fused_attention(kh.layer.rotate_query(q), kh, vh, None, d**-0.5)
+            fused_attention(kh.layer.reads.rotate_query(q), kh, vh, None, d**-0.5)
         finally:
             JITFunction.run = run
     body = [(name, kw, kern) for name, kw, kern in launched if name in BODY_KERNELS and kw.get("BODY", True)]

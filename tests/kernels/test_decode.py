@@ -303,7 +303,7 @@ def test_no_argument_that_changes_between_steps_is_specialized(monkeypatch, spec
         mask = torch.ones(2, 1, 1, layer.held_tokens, dtype=torch.bool, device=DEVICE)
         with kernels.use_backend("triton"):
             ops.static_decode_attention(torch.randn(2, 4, 1, 64).to(DEVICE), layer.key_stream.kernel_view(),
-                                        layer.value_stream.kernel_view(), kh.new, vh.new, layer.static_layout(),
+                                        layer.value_stream.kernel_view(), kh.new, vh.new, layer.reads.static_layout(),
                                         exact_new=True, attention_mask=mask, scaling=0.125)
     assert len(capacities) > 2, "the test should see the storage grow"
     ints = [i for i in range(len(calls[0])) if type(calls[0][i]) is int]
@@ -367,7 +367,7 @@ def test_fused_within_one_percent_of_the_reference_at_user_shapes(monkeypatch, b
         cache, (kh, vh) = bench._filled_layer(spec, k, v, config)
         out = bench._attend(q, kh, vh, d**-0.5)
         assert out is not None, f"{spec}: no fused kernel"
-        ref = reference_attention(kh.layer.rotate_query(q), kh, vh, None, d**-0.5, chunk_tokens=4096)
+        ref = reference_attention(kh.layer.reads.rotate_query(q), kh, vh, None, d**-0.5, chunk_tokens=4096)
         ref = ref.transpose(1, 2)  # (B, 1, Hq, D) as the kernel's output
         errors[spec if convert == "auto" else f"{spec} by bits"] = ((out.float() - ref).norm() / ref.norm()).item()
         del cache, kh, vh, out, ref
