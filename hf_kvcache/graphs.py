@@ -13,6 +13,7 @@ the layer's side, an object each layer keeps as `layer.graph`: whether a step ca
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 import weakref
@@ -117,11 +118,19 @@ class DecodeGraph:
     (`store_pending`)."""
 
     def __init__(self, layer, pools: GraphPools):
-        # a proxy: the layer owns this part, and a cycle would keep a deleted cache's memory until the
-        # collector runs
-        self.layer = weakref.proxy(layer)
+        self._layer = weakref.ref(layer)  # the layer owns its graph: a cycle would keep a deleted cache's memory
         self.pools = pools
         self.forget()
+
+    @property
+    def layer(self):
+        return self._layer()
+
+    def __deepcopy__(self, memo):
+        """The graph of the copied layer (a deep copy of a cache, such as `warm_up`'s): its pools copied with the
+        cache's, nothing captured or held (a CUDA graph cannot be copied)."""
+        layer = memo.get(id(self.layer)) or copy.deepcopy(self.layer, memo)
+        return DecodeGraph(layer, copy.deepcopy(self.pools, memo))
 
     def forget(self) -> None:
         """No step held, no buffers, no graphs (a new sequence)."""

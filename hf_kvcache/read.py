@@ -11,6 +11,7 @@ A read sees the layer through a narrow surface: its two streams (`streams`, `hf_
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -47,13 +48,22 @@ class LayerReads:
     """The reads of one layer's tokens (see the module's docstring)."""
 
     def __init__(self, layer):
-        # a proxy: the layer owns this part, and a cycle would keep a deleted cache's memory until the
-        # collector runs
-        self.layer = weakref.proxy(layer)
+        self._layer = weakref.ref(layer)  # the layer owns its reads: a cycle would keep a deleted cache's memory
         # Triton 3.6 failed to compile TurboQuant-3's kernel for a 2048-token prefill chunk on the H200 (a pass of its
         # own pipeline, "PassManager::run failed", 2026-12-02, BENCHMARKS.md): such a chunk then attends by the
         # reference, and so does every later chunk of this layer (`attend_chunk`).
         self.chunk_kernel_failed = False
+
+    @property
+    def layer(self):
+        return self._layer()
+
+    def __deepcopy__(self, memo):
+        """The reads of the copied layer (a deep copy of a cache, such as `warm_up`'s)."""
+        layer = memo.get(id(self.layer)) or copy.deepcopy(self.layer, memo)
+        copied = copy.copy(self)
+        copied._layer = weakref.ref(layer)
+        return copied
 
     # ------------------------------------------------------------------ the fused read
     def decode_read(self, query: torch.Tensor) -> DecodeRead | None:

@@ -24,7 +24,7 @@ def test_e2e_row_reports_a_generate_call_as_users_make_it(name, compiled, chunk,
         assert len(forwards) == 2 * (prefill + 4) + extra
     assert row["mode"] == ("compiled" if compiled else "eager") and (row["batch"], row["context"]) == (2, 40)
     assert 0 < row["prefill_s"] < row["second_call_s"] and row["first_call_s"] > 0
-    assert 0 < row["step_ms"] * 1e-3 * 4 < row["second_call_s"]  # 5 forwards: a step, 4 times over, fits in the call
+    assert 0 < row["step_ms"] * 1e-3 < row["second_call_s"]  # the median of the call's step gaps: one of them
     assert row["cache_gb"] > 0 and row["recompiles"] == 0
     assert row["peak_gb"] is None and row["chunked_peak_gb"] is None  # CUDA only
     assert (row["host_us_per_layer"] is None) == compiled

@@ -3,6 +3,7 @@ places, flushes, windows, batch operations or crop, never quantization noise."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -110,8 +111,9 @@ def test_second_generate_continues_the_first():
 
 
 def test_a_deleted_cache_is_freed_at_once_not_by_the_collector():
-    """A layer's parts (`reads`, `graph`) see it through a proxy: no reference cycle keeps a deleted cache's storage
-    (GPU memory, on a GPU) alive until Python's cycle collector happens to run."""
+    """A layer's parts (`reads`, `graph`) see it through a weak reference: no reference cycle keeps a deleted cache's
+    storage (GPU memory, on a GPU) alive until Python's cycle collector happens to run; a deep copy's parts see the
+    copy (`warm_up` warms one)."""
     import gc
     import weakref
 
@@ -119,7 +121,11 @@ def test_a_deleted_cache_is_freed_at_once_not_by_the_collector():
     cache = LosslessCache(model.config, **LAYOUTS["kivi-like"])
     _chunked_logits(model, tiny_input_ids(model, batch=1, length=20), cache, [19, 1])
     layer, storage = weakref.ref(cache.layers[0]), weakref.ref(cache.layers[0].streams["keys"])
-    assert cache.layers[0].reads.layer.held_tokens == 20 and cache.layers[0].graph.layer.capacity > 0
+    assert cache.layers[0].reads.layer is cache.layers[0] is cache.layers[0].graph.layer
+    copied = copy.deepcopy(cache)
+    assert copied.layers[0].reads.layer is copied.layers[0] is copied.layers[0].graph.layer
+    assert copied.layers[0].graph.pools is copied.layers[1].graph.pools is not cache.layers[0].graph.pools
+    del copied
     enabled = gc.isenabled()
     gc.disable()
     try:

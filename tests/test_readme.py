@@ -102,6 +102,18 @@ def test_readme_shows_how_to_use_your_own_model():
     assert "load_model(" in own and "make_cache(" in own
 
 
+def test_readme_compares_with_transformers_quantizedcache():
+    """The comparison is a table rendered from one run (`tests/eval/test_report.py` holds it to the file): each of
+    transformers' backends measured beside the presets, each row with its bytes and accuracy."""
+    compared = section("QuantizedCache")
+    block = re.search(r"<!-- hf-kvcache:table quantizedcache -->\n(.*?)<!-- /hf-kvcache:table -->", compared, re.S)
+    assert block, "the QuantizedCache section has no rendered table block"
+    rows = {line.split("|")[1].strip() for line in block.group(1).splitlines() if line.startswith("| `")}
+    for name in ("`hf-quanto-int4` (transformers)", "`hf-quanto-int2` (transformers)", "`hf-fp8` (transformers)",
+                 "`fp8-e4m3`", "`turboquant-4`", "`kivi-2`"):
+        assert name in rows, f"the QuantizedCache table has no row {name}"
+
+
 def test_readme_has_a_glossary():
     glossary = section("Glossary")
     terms = [re.match(r"^- \*\*(.+?)\*\*", line) for line in glossary.splitlines()]

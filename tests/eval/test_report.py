@@ -155,6 +155,23 @@ def test_readme_agrees_with_the_result_files(figures):
         "`hf-kvcache report --readme README.md`")
 
 
+def test_the_quantizedcache_table_names_only_what_its_run_measured():
+    import copy
+
+    from hf_kvcache.eval.figures import SOURCES, quantizedcache_figures
+
+    sources = json.loads((ROOT / SOURCES).read_text())
+    assert set(quantizedcache_figures(sources, ROOT)["figures"]) >= {"hf-quanto-int4", "hf-fp8", "turboquant-4"}
+    wrong = copy.deepcopy(sources)
+    wrong["quantizedcache"]["rows"].append(["hf-quanto-int3"])
+    with pytest.raises(ValueError, match="hf-quanto-int3"):
+        quantizedcache_figures(wrong, ROOT)
+    wrong = copy.deepcopy(sources)
+    wrong["quantizedcache"]["windows"] = 999
+    with pytest.raises(ValueError, match="windows"):
+        quantizedcache_figures(wrong, ROOT)
+
+
 def test_readme_opens_with_the_set_up_commands_and_stays_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail to docs/"
