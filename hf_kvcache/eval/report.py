@@ -501,9 +501,11 @@ def quantizedcache_table(figures) -> str:
             f"`{spec}`" + (" (transformers)" if is_compared(spec) else ""), f"{a['bytes']:.3f}x",
             _delta_cell({"delta_pct": a["delta_pct"], "half_width": a["half_width"]}), f"{a['kl']:.4f}",
             f"{a['top1']:.1%}", *(_speed_cell(figures.compared["speed"].get(spec, []), c) for c in columns)]) + " |")
+    where = ("the CPU (the presets through the PyTorch reference, which reads the bytes the kernels read)"
+             if qc["platform"] == "cpu" else f"an {qc['platform']}")
     notes = [f"One run of the decode protocol (the glossary): a prefill of {qc['prefill']} tokens, "
              f"{qc['decode_tokens']} decoded, {qc['windows']} windows of the dev corpus; {qc['model']} on "
-             f"{qc['platform']} in {qc['dtype']}: `{figures.compared['command']}`. Bytes: what each cache holds at "
+             f"{where} in {qc['dtype']}: `{figures.compared['command']}`. Bytes: what each cache holds at "
              "the end, against a 16-bit cache (transformers' caches: their quantized tensors, codes, scales and "
              f"shifts, and the 16-bit residual; the presets: `nbytes()`). From `{qc['path']}`."]
     if columns:
