@@ -201,18 +201,26 @@ def _places(layer) -> dict[str, torch.Tensor]:
     return out
 
 
+# One preset of each stored layout: FP8, INT8 per token, grouped INT at 4 and 2 bits (bit planes), KIVI's key blocks,
+# KVQuant's NUQ with outlier slots, the rotated cache, TurboQuant's codebooks at one width and at mixed key and value
+# widths, and the lossless one
+LAYOUT_PRESETS = ("fp8-e5m2", "int8", "int4-g32", "int2-g32", "kivi-2", "kvquant-3", "rotated-3", "turboquant-3.5",
+                  "turboquant-2.75", "exact")
+
+
 @pytest.mark.slow
 def test_pinned_and_growing_capacities_agree_on_the_default_model(calibrated_default):
-    """Every preset on the default model, float32, the fused path (on the CPU, the reference over what is held): the
-    same 64 greedy tokens from a pinned and a growing capacity and, layer by layer, the same stored bytes. (The dense
-    path attends over a pinned cache's whole capacity under the mask that `generate` builds for it, a longer float
-    sum than over what is held: its tokens part after a few dozen steps, both equally accurate.)"""
-    from hf_kvcache.presets import PRESETS
+    """A preset of every stored layout on the default model, float32, the fused path (on the CPU, the reference over
+    what is held): the same 64 greedy tokens from a pinned and a growing capacity and, layer by layer, the same stored
+    bytes. (The dense path attends over a pinned cache's whole capacity under the mask that `generate` builds for it,
+    a longer float sum than over what is held: its tokens part after a few dozen steps, both equally accurate.) The
+    presets of a family that differ only in bits share their places and flush rules: one each (the tiny models run
+    every row of the method matrix, `tests/helpers/methods.py`, through both capacities, above)."""
     from hf_kvcache.eval.corpus import dev_text, tokenize_corpus
 
     model, tokenizer = calibrated_default
     ids = tokenize_corpus(tokenizer, dev_text())[2000:2032][None]
-    for spec in [name for name in PRESETS if name not in ("none", "int4-g128")]:  # (groups of 128 > head_dim 64)
+    for spec in LAYOUT_PRESETS:
         try:
             dynamic_cache = make_cache(spec, model)
             dynamic = _greedy(model, ids, dynamic_cache, 64, min_new_tokens=64)

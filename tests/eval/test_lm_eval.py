@@ -77,7 +77,7 @@ def test_offline_tasks_run_through_simple_evaluate(kv_cache):
     grid = {"n_docs": 2, "min_chars": 300, "lengths": [120, 200], "depths": [0.5], "tokenizer": tok}
     out = simple_evaluate(
         model=_lm(kv_cache), tasks=["hf_kvcache_ppl", "hf_kvcache_passkey", "hf_kvcache_topics"],
-        task_manager=TaskManager(include_path=str(tasks_dir()), metadata=grid),
+        task_manager=TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=grid),
     )
     ppl = out["results"]["hf_kvcache_ppl"]
     assert ppl["word_perplexity,none"] > 1 and 0 < ppl["bits_per_byte,none"]
