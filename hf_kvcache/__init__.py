@@ -31,6 +31,7 @@ __all__ = [
     "KVQuantCache",
     "LayerPolicy",
     "PRESETS",
+    "PackedBatchingConfig",
     "QuantizedFP8Cache",
     "QuantizedIntCache",
     "QuantizedKVCache",
@@ -56,4 +57,8 @@ def __getattr__(name: str):
         from .planner import plan
 
         return plan
+    if name == "PackedBatchingConfig":  # continuous batching: needs a recent transformers (`_compat`), loaded on use
+        from .paged import PackedBatchingConfig
+
+        return PackedBatchingConfig
     raise AttributeError(f"module 'hf_kvcache' has no attribute {name!r}")

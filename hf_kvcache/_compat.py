@@ -10,6 +10,9 @@
   `prepare_inputs_for_generation(..., cache=...)`); 5.17 knows only `past_key_values`. The library's own calls take
   the name from `cache_kwargs` / `forward_parameters`; a user may pass either name wherever transformers accepts it.
 - 5.17's assisted generation calls `cache.crop(-rejected)` with a 0-dim tensor, 5.24 with an int.
+- Continuous batching: the allocators (`continuous_batching/cache_allocators`, one per attention kind, built by
+  `PagedAttentionCache._create_allocator`) that packed pages (`hf_kvcache.paged`) replace came with 5.25 (5.17's paged
+  cache has no such seam): `continuous_batching_parts` finds them or says which version is needed.
 """
 
 from __future__ import annotations
@@ -157,3 +160,67 @@ def quantized_cache(backend: str, config, **kwargs):
             raise
         raise ValueError(f"transformers {transformers.__version__}'s QuantizedCache has no {backend!r} backend "
                          "(fp8 came with 5.24): upgrade transformers, or compare another backend") from error
+
+
+# The first transformers whose continuous batching builds its pages through allocators (`cache_allocators`).
+PAGED_MIN_VERSION = "5.25"
+
+
+@dataclass(frozen=True)
+class ContinuousBatchingParts:
+    ContinuousBatchingConfig: type
+    PagedAttentionCache: type
+    FullAttentionCacheAllocator: type
+    FULL_ATTENTION: str
+
+
+def continuous_batching_parts() -> ContinuousBatchingParts:
+    """transformers' continuous-batching classes that packed pages build on, or an ImportError that names the
+    transformers they need. Feature detection: the allocator seam and the allocator API `hf_kvcache.paged` uses."""
+    import transformers
+
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        from transformers.generation.continuous_batching.cache_allocators import (FULL_ATTENTION,
+                                                                                  FullAttentionCacheAllocator)
+        seams = ("_before_cache_tensor_init", "_after_cache_tensor_init", "register_cache_tensor", "get_write_indices")
+        if not hasattr(PagedAttentionCache, "_create_allocator") or not all(
+                hasattr(FullAttentionCacheAllocator, name) for name in seams):
+            raise ImportError("the paged cache has no allocator seam")
+    except ImportError as error:
+        raise ImportError(f"packed pages for continuous batching need transformers >= {PAGED_MIN_VERSION} (its paged "
+                          f"cache built by allocators); this is transformers {transformers.__version__}: "
+                          f"pip install -U 'transformers>={PAGED_MIN_VERSION}'") from error
+    return ContinuousBatchingParts(ContinuousBatchingConfig, PagedAttentionCache, FullAttentionCacheAllocator,
+                                   FULL_ATTENTION)
+
+
+def install_allocator_factory(factory) -> None:
+    """Route `PagedAttentionCache._create_allocator` through `factory(cb_config, model_config, attn_type, default,
+    **allocator_kwargs)`, where `default()` builds transformers' own allocator. Installed once, idempotent; the
+    factory keeps transformers' allocator for every config that does not ask for packed pages."""
+    cls = continuous_batching_parts().PagedAttentionCache
+    if getattr(cls._create_allocator, "_hf_kvcache_factory", None) is factory:
+        return
+    original = getattr(cls._create_allocator, "_hf_kvcache_original", cls._create_allocator)
+
+    def _create_allocator(self, continuous_batching_config, attn_type, index, layer_indices, num_key_value_heads):
+        def default():
+            return original(self, continuous_batching_config, attn_type, index, layer_indices, num_key_value_heads)
+
+        return factory(continuous_batching_config, self.config, attn_type, default, index=index,
+                       layer_indices=layer_indices, num_key_value_heads=num_key_value_heads, cache_dtype=self.dtype,
+                       page_size=continuous_batching_config.page_size,
+                       allow_block_sharing=continuous_batching_config.allow_block_sharing)
+
+    _create_allocator._hf_kvcache_factory = factory
+    _create_allocator._hf_kvcache_original = original
+    cls._create_allocator = _create_allocator
+
+
+def paged_head_dim(config) -> int:
+    """The head size transformers' paged cache uses for `config`."""
+    from transformers.generation.continuous_batching.utils import find_head_dim
+
+    return find_head_dim(text_config(config))
