@@ -8,6 +8,7 @@
     hf-kvcache report DIR...      results directories merged into one table and one quality-vs-bytes figure
     hf-kvcache report --readme README.md   the README's preset table and plot, from the result files
     hf-kvcache plan               capacity: bytes per token and sequences that fit per method, and a recommendation
+    hf-kvcache serve [MODEL]      OpenAI-style completions and chat over continuous batching with packed pages
 
 Both write an immutable results directory under `--out` (see `hf_kvcache.eval.report`) and print the
 table. A bad method spec is reported in one line with exit status 2.
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--protocol", choices=("decode", "strict", "stream"), default="decode",
                      help="the figure's quality axis (default decode: each run's longest prefill, else strict, else stream)")
     _add_plan_parser(sub)
+    from .serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     sub.add_parser(
         "lm-eval", add_help=False,
         help="lm-eval's own command line, with the `hf-kvcache` model type and the offline tasks "
@@ -342,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         return _calibrate(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "serve":
+        from .serve import main as serve
+
+        return serve(args)
     if args.command == "report":
         return _report(args, full_argv)
     try:
@@ -560,3 +568,4 @@ def _bench(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -224,3 +224,52 @@ def test_old_transformers_is_told_the_version():
 
     with pytest.raises(ImportError, match=f"transformers >= {_compat.PAGED_MIN_VERSION}"):
         hf_kvcache.PackedBatchingConfig("fp8-e4m3")
+
+
+@needs_seam
+@pytest.mark.slow
+def test_server_answers_concurrent_requests(default_model):
+    """`hf-kvcache serve`'s server on 127.0.0.1 with the default model and a packed cache: concurrent completions and
+    chat requests over real HTTP get answers; a bad request gets a 400 that says why; the server stops."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hf_kvcache.serve import Server
+
+    model, tok = default_model
+    server = Server(model, tok, "kivi-2", name="smollm2", port=0, max_tokens=6, page_size=PAGE, num_blocks=64,
+                    max_batch_tokens=512).start()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.address
+
+    def post(path, body):
+        request = urllib.request.Request(f"http://{host}:{port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    try:
+        bodies = [("/v1/completions", {"prompt": f"Python's {w} function", "max_tokens": 5})
+                  for w in ("len", "zip", "map", "sorted")]
+        bodies += [("/v1/chat/completions", {"messages": [{"role": "user", "content": f"Name a {w}."}]})
+                   for w in ("colour", "fruit")]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: post(*b), bodies))
+        for (path, _), answer in zip(bodies, answers):
+            choice = answer["choices"][0]
+            text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+            assert isinstance(text, str) and answer["usage"]["completion_tokens"] >= 1
+            assert answer["usage"]["completion_tokens"] <= (5 if path == "/v1/completions" else 6)
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            post("/v1/completions", {"prompt": "x", "max_tokens": 0})
+        assert bad.value.code == 400 and "max_tokens" in json.loads(bad.value.read())["error"]["message"]
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=10) as response:
+            assert json.loads(response.read())["kv_cache"] == "kivi-2"
+    finally:
+        server.stop()
+    thread.join(10)
+    assert not thread.is_alive()

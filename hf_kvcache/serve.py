@@ -1,0 +1,291 @@
+"""`hf-kvcache serve`: OpenAI-style completions and chat over transformers' continuous batching, its pages packed in a
+preset's format (`hf_kvcache.paged`).
+
+One manager (`model.init_continuous_batching`) runs the batches in its own thread; each HTTP request adds its prompt
+and waits for its result, which one dispatcher thread takes from the manager's output queue and hands to the request
+that asked. The standard library serves HTTP (`ThreadingHTTPServer`): no web framework to install. Endpoints:
+`POST /v1/completions`, `POST /v1/chat/completions` (non-streaming), `GET /v1/models`, `GET /health`. Sampling is the
+server's (`--do-sample`, `--temperature`, `--top-p`); a request sets `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from . import describe
+
+
+class RequestError(ValueError):
+    """A bad request body: answered with status 400 and the message."""
+
+
+class Server:
+    """A model, its tokenizer and a continuous-batching manager over packed pages, behind an HTTP server.
+
+    `start()` starts the manager and the dispatcher, `serve_forever()` answers requests, `stop()` ends both."""
+
+    def __init__(self, model, tokenizer, kv_cache: str, *, name: str, host: str = "127.0.0.1", port: int = 8000,
+                 max_tokens: int = 256, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                 timeout: float = 600.0, **cb_kwargs):
+        from transformers import GenerationConfig
+
+        from .paged import PackedBatchingConfig
+
+        self.model, self.tokenizer, self.kv_cache, self.name = model, tokenizer, kv_cache, name
+        self.max_tokens, self.timeout = max_tokens, timeout
+        eos = tokenizer.eos_token_id
+        self.generation_config = GenerationConfig(
+            max_new_tokens=max_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
+            top_p=top_p if do_sample else None, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id or eos)
+        self.cb_config = PackedBatchingConfig(kv_cache, **cb_kwargs)
+        self.manager = None
+        self._waiting: dict[str, list] = {}  # request id -> [event, result]
+        self._lock = threading.Lock()
+        self._running = self._serving = False
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd.daemon_threads = True
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.httpd.server_address[:2]
+
+    def start(self) -> Server:
+        self.manager = self.model.init_continuous_batching(generation_config=self.generation_config,
+                                                           continuous_batching_config=self.cb_config)
+        self.manager.start()
+        self._running = True
+        self._dispatcher = threading.Thread(target=self._dispatch, name="hf-kvcache-dispatch", daemon=True)
+        self._dispatcher.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._serving = True
+        try:
+            self.httpd.serve_forever()
+        finally:
+            self._serving = False
+
+    def stop(self) -> None:
+        if self._serving:  # served from another thread (a Ctrl-C in the serving one has left its loop already)
+            self.httpd.shutdown()
+        self.httpd.server_close()
+        self._running = False
+        if self.manager is not None:
+            self.manager.stop(block=True)
+        with self._lock:
+            for slot in self._waiting.values():
+                slot[0].set()
+
+    def _dispatch(self) -> None:
+        while self._running:
+            result = self.manager.get_result(timeout=0.1)
+            if result is None or not result.is_finished():
+                continue
+            with self._lock:
+                slot = self._waiting.get(result.request_id)
+            if slot is not None:
+                slot[1] = result
+                slot[0].set()
+
+    def generate(self, prompt_ids: list[int], max_tokens: int):
+        """Add one request and wait for its result: `(generated token ids, finish reason)`."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        slot = [threading.Event(), None]
+        with self._lock:
+            self._waiting[request_id] = slot
+        try:
+            self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_tokens)
+            if not slot[0].wait(self.timeout) or slot[1] is None:
+                self.manager.cancel_request(request_id)
+                raise TimeoutError(f"no result within {self.timeout:g} s")
+        finally:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+        result = slot[1]
+        if getattr(result, "error", None):
+            raise RuntimeError(str(result.error))
+        tokens = list(result.generated_tokens)
+        eos = self.generation_config.eos_token_id
+        stopped = bool(tokens) and tokens[-1] in (eos if isinstance(eos, list) else [eos])
+        return tokens, ("stop" if stopped or len(tokens) < max_tokens else "length")
+
+    # --- the API
+    def _max_tokens(self, body: dict) -> int:
+        n = body.get("max_tokens", body.get("max_completion_tokens", self.max_tokens))
+        if not isinstance(n, int) or n < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {n!r}")
+        return n
+
+    def _checked(self, body: dict) -> int:
+        """The request's max_tokens, after refusing what this server does not do."""
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported: ask without streaming")
+        if body.get("n", 1) != 1:
+            raise RequestError("n must be 1")
+        return self._max_tokens(body)
+
+    def _answer(self, prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int, int]:
+        tokens, reason = self.generate(prompt_ids, max_tokens)
+        eos = self.generation_config.eos_token_id
+        text = self.tokenizer.decode([t for t in tokens if t != eos], skip_special_tokens=True)
+        return text, reason, len(prompt_ids), len(tokens)
+
+    def completions(self, body: dict) -> dict:
+        prompt = body.get("prompt")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise RequestError("prompt must be a string or a list of strings")
+        max_tokens = self._checked(body)
+        choices, used, made = [], 0, 0
+        with ThreadPoolExecutor(len(prompts)) as pool:  # every prompt of the list at once: they batch together
+            answers = list(pool.map(lambda p: self._answer(self.tokenizer(p)["input_ids"], max_tokens), prompts))
+        for i, (text, reason, n_in, n_out) in enumerate(answers):
+            choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+            used, made = used + n_in, made + n_out
+        return self._response("text_completion", choices, used, made)
+
+    def chat(self, body: dict) -> dict:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise RequestError("messages must be a non-empty list of {role, content}")
+        max_tokens = self._checked(body)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        text, reason, n_in, n_out = self._answer(list(ids), max_tokens)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        return self._response("chat.completion", [choice], n_in, n_out)
+
+    def _response(self, kind: str, choices: list, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": kind, "created": int(time.time()), "model": self.name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "hf-kvcache"}]}
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.name, "kv_cache": self.kv_cache, "kv_cache_format": describe(self.kv_cache)}
+
+
+def _handler(server: Server) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet: a server's log is its caller's business
+            pass
+
+        def _send(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str, kind: str) -> None:
+            self._send(status, {"error": {"message": message, "type": kind}})
+
+        def do_GET(self) -> None:
+            routes = {"/v1/models": server.models, "/health": server.health}
+            route = routes.get(self.path.rstrip("/"))
+            if route is None:
+                self._error(404, f"no route {self.path}: try POST /v1/completions or /v1/chat/completions",
+                            "not_found")
+                return
+            self._send(200, route())
+
+        def do_POST(self) -> None:
+            routes = {"/v1/completions": server.completions, "/v1/chat/completions": server.chat}
+            route = routes.get(self.path.rstrip("/"))
+            if route is None:
+                self._error(404, f"no route {self.path}", "not_found")
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise RequestError("the body must be a JSON object")
+                self._send(200, route(body))
+            except (RequestError, json.JSONDecodeError) as error:
+                self._error(400, str(error), "invalid_request_error")
+            except TimeoutError as error:
+                self._error(504, str(error), "timeout")
+            except Exception as error:  # the server keeps serving; the client learns what broke
+                self._error(500, f"{type(error).__name__}: {error}", "server_error")
+
+    return Handler
+
+
+def add_parser(sub) -> None:
+    """The `hf-kvcache serve` command's arguments."""
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-style completions and chat over transformers' continuous batching, its pages packed",
+        description="Serves POST /v1/completions and /v1/chat/completions (non-streaming), GET /v1/models and /health "
+        "with transformers' continuous batching, every page holding the --kv-cache preset's packed bytes: the same "
+        "memory holds more tokens and more requests at once. Needs transformers >= 5.25.",
+    )
+    serve.add_argument("model", nargs="?", default=None, help="a local model directory or hub id already cached "
+                       "(default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--kv-cache", default="turboquant-4", help="a make_cache spec (default turboquant-4; "
+                       "'none': transformers' own pages in the model dtype)")
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000 (0: any free port)")
+    serve.add_argument("--max-tokens", type=int, default=256, help="new tokens when a request names none")
+    serve.add_argument("--page-size", type=int, default=256, help="tokens per page (default 256)")
+    serve.add_argument("--max-memory-percent", type=float, default=None,
+                       help="share of free GPU memory for the pages (transformers' default when left out)")
+    serve.add_argument("--num-blocks", type=int, default=None, help="pages per layer, instead of a memory share")
+    serve.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per forward (default: inferred)")
+    serve.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
+    serve.add_argument("--temperature", type=float, default=1.0)
+    serve.add_argument("--top-p", type=float, default=1.0)
+    serve.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                       help="model dtype (default: bf16 on CUDA, fp32 on the CPU)")
+    serve.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`hf-kvcache serve`: load the model, serve until Ctrl-C or SIGTERM; 0, or 2 with one line for a bad argument."""
+    import signal
+
+    import torch
+
+    from . import load_model
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    cb = {k: v for k, v in (("page_size", args.page_size), ("max_memory_percent", args.max_memory_percent),
+                            ("num_blocks", args.num_blocks), ("max_batch_tokens", args.max_batch_tokens))
+          if v is not None}
+    try:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
+        server = Server(model, tokenizer, args.kv_cache, name=args.model or "smollm2-135m-instruct", host=args.host,
+                        port=args.port, max_tokens=args.max_tokens, do_sample=args.do_sample,
+                        temperature=args.temperature, top_p=args.top_p, **cb)
+    except (ValueError, ImportError, OSError) as error:
+        print(f"hf-kvcache: error: {error}", file=sys.stderr)
+        return 2
+    def terminate(signum, frame):
+        raise KeyboardInterrupt  # SIGTERM stops it as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, terminate)
+    server.start()
+    host, port = server.address
+    print(f"serving {server.name} with a {args.kv_cache} cache on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
