@@ -203,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         "batch 1 in --repeats interleaved rounds: medians and spread), prefill (chunked prefill "
         "and a next turn over a packed history), sweep (launch parameters), multi_gpu (see --multi-gpu), compiles "
         "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU), first_call (a first "
-        "generate on an empty Triton cache against the second, with and without warm_up) and sass (each method's "
-        "decode kernel compiled for --compile-arch: its instructions and bytes a held token; needs no GPU)"
+        "generate on an empty Triton cache against the second, with and without warm_up), sass (each method's "
+        "decode kernel compiled for --compile-arch: its instructions and bytes a held token; needs no GPU) and "
+        "serving (--serving-requests through continuous batching in --serving-budget-gb of pages, packed against bf16)"
     )
     bench.add_argument("--methods", default=None,
                        help="cache specs of the kernel part (default: the README's front presets and INT2, "
@@ -250,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the CUDA architecture the compiles and sass parts compile for (default 90: Hopper)")
     bench.add_argument("--warm-up", action="store_true",
                        help="the compiles part runs hf_kvcache.warm_up (parallel compiles) before the calls")
+    bench.add_argument("--serving-requests", type=int, default=128, help="requests of the serving part")
+    bench.add_argument("--serving-prompt", default="1024,4096", help="shortest,longest prompt tokens (serving)")
+    bench.add_argument("--serving-new-tokens", type=int, default=128, help="new tokens a request (serving)")
+    bench.add_argument("--serving-budget-gb", type=float, default=2.0, help="pages' memory of the serving part")
+    bench.add_argument("--serving-methods", default="fp8-e4m3,turboquant-4,kivi-2", help="specs of the serving part")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure to this JSON file")
     return parser
 
@@ -512,7 +518,7 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
         known = ("kernel", "e2e", "decode", "batch1", "prefill", "capacity", "sweep", "multi_gpu", "compiles",
-                 "first_call", "sass")
+                 "first_call", "sass", "serving")
         unknown = set(parts) - set(known)
         if unknown:
             raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(known)}")
@@ -539,7 +545,14 @@ def _bench(args: argparse.Namespace) -> int:
             compile_arch=args.compile_arch,
             compile_warm_up=args.warm_up,
             repeats=args.repeats,
+            serving_requests=args.serving_requests,
+            serving_prompt=_int_list(args.serving_prompt, "--serving-prompt"),
+            serving_new_tokens=args.serving_new_tokens,
+            serving_budget_gb=args.serving_budget_gb,
+            serving_methods=tuple(split_methods([args.serving_methods])),
         )
+        if len(cfg.serving_prompt) != 2:
+            raise UsageError(f"--serving-prompt: shortest,longest (got {args.serving_prompt!r})")
         if not cfg.attentions or set(cfg.attentions) - {"sdpa", "eager", "hf_kvcache"}:
             raise UsageError(f"--attentions: choose from sdpa, eager, hf_kvcache (got {args.attentions!r})")
         if not cfg.e2e_modes or set(cfg.e2e_modes) - {"eager", "compiled"}:

@@ -262,12 +262,14 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from . import load_model
+    from .presets import parse_spec
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
     cb = {k: v for k, v in (("page_size", args.page_size), ("max_memory_percent", args.max_memory_percent),
                             ("num_blocks", args.num_blocks), ("max_batch_tokens", args.max_batch_tokens))
           if v is not None}
     try:
+        parse_spec(args.kv_cache)  # a bad spec is told before the model loads
         model, tokenizer = load_model(args.model, dtype=dtype, device=args.device)
         server = Server(model, tokenizer, args.kv_cache, name=args.model or "smollm2-135m-instruct", host=args.host,
                         port=args.port, max_tokens=args.max_tokens, do_sample=args.do_sample,

@@ -5,6 +5,9 @@
 #   bash scripts/gpu_next.sh C    speed of transformers' QuantizedCache (quanto) beside the presets of its bytes, batch 1
 #                                 and 16 x 32k; carry [".whl"]: `pip download --no-deps --only-binary=:all:
 #                                 --python-version 3.12 -d .whl optimum-quanto ninja` here first
+#   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests) and the serving part of the bench; needs
+#                                 transformers 5.25: carry [".whl525"] (transformers, huggingface-hub, kernels and
+#                                 their missing needs, `pip download --no-deps` as for C)
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -31,5 +34,15 @@ C)
   hf-kvcache bench --parts decode --decode-batches 1,16 --e2e-context 32768 --e2e-modes eager \
     --decode-methods hf-quanto-int4,hf-quanto-int2,fp8-e4m3,int4-g64,kivi-4,turboquant-4,kivi-2,turboquant-2.5 \
     --json "$OUT/c1_quantizedcache.json" 2>&1 | tee "$OUT/c1_quantizedcache.log" | tail -25
+  ;;
+D)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl525/*.whl && export PYTHONPATH=/tmp/site || exit 1
+  python3 -c "import transformers; print('transformers', transformers.__version__)" | tee "$OUT/d0_versions.txt"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_paged.py -m cuda 2>&1 | tee "$OUT/d1_paged.log" \
+    | tail -8
+  timeout 320 hf-kvcache bench --parts serving --serving-requests 64 --serving-prompt 512,2048 \
+    --serving-new-tokens 64 --serving-budget-gb 1 --serving-methods fp8-e4m3,turboquant-4,kivi-2 \
+    --json "$OUT/d2_serving.json" 2>&1 | tee "$OUT/d2_serving.log" | tail -12
   ;;
 esac

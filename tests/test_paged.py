@@ -273,3 +273,38 @@ def test_server_answers_concurrent_requests(default_model):
         server.stop()
     thread.join(10)
     assert not thread.is_alive()
+
+
+@needs_seam
+def test_serving_bench_counts_what_it_ran():
+    """The bench's serving part on the CPU (its figures are the GPU's, BENCHMARKS.md): in the same budget the packed
+    format's pages hold the bytes ratio more tokens, every request makes its tokens, and the lifespans count the
+    requests held at once."""
+    from hf_kvcache.bench.serving import block_bytes, format_rows, serve_workload, workload
+
+    model = tiny_model("llama")
+    prompts = workload(12, 20, 60, vocab=512)
+    budget = 24 * block_bytes("none", model, PAGE)
+    rows = [serve_workload(model, spec, prompts, 4, budget, page_size=PAGE, max_batch_tokens=256)
+            for spec in ("none", "fp8-e4m3")]
+    base, fp8 = rows
+    assert base["tokens_held"] == 24 * PAGE
+    assert fp8["tokens_held"] == budget // block_bytes("fp8-e4m3", model, PAGE) * PAGE > 3 * base["tokens_held"]
+    for r in rows:
+        assert r["generated"] == 12 * 4 and 1 <= r["most_running"] <= 12 and r["tokens_per_s"] > 0
+        assert 0 < r["ttft_s_median"] <= r["ttft_s_p90"] and 0 < r["tpot_ms_median"] <= r["tpot_ms_p90"]
+    assert len(format_rows(rows)) == 4
+
+
+@needs_seam
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "int4-g32", "kivi-2", "turboquant-4", "turboquant-3"])
+def test_cuda_bf16_matches_generate(spec, allocators):
+    """On CUDA in bf16, packed pages (the reference read) against `generate` through the fused kernels: the same
+    tokens, or parting at a bf16 near tie."""
+    model = tiny_model("qwen3").to("cuda", torch.bfloat16)
+    prompts = _prompts(seed=2)
+    got = _generate_batch(model, prompts, _config(spec))
+    _check_against_generate(model, prompts, got, lambda: make_cache(spec, model), near_tie=0.25)
+    _check_freed(allocators)

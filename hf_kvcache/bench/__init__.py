@@ -26,6 +26,9 @@ Each part prints its baseline measured in the same run:
   target (`compile_arch`); needs no GPU (`compiles_part`).
 - sass (`sass.py`): each method's decode body kernel compiled for `compile_arch`, its tile loop's instructions and
   bytes a held token: the share of fp8-e4m3's rate its instruction issue allows; needs no GPU (`sass_part`).
+- serving (`serving.py`): many requests through transformers' continuous batching at a fixed KV memory budget, packed
+  pages (`hf_kvcache.paged`) against transformers' bf16 pages: tokens held, requests at once, tokens/s, time to first
+  token, per-token latency, peak memory (`serving_part`).
 - first_call (`compiles.py`): a first `generate` on an empty Triton cache against the second, with and without
   `hf_kvcache.warm_up` first (`first_call_part`).
 """
@@ -46,6 +49,7 @@ from .kernel import _attend, _filled_layer, kernel_part, sweep_part
 from .multi_gpu import multi_gpu_part, split_model, storage_devices
 from .prefill import prefill_part
 from .sass import sass_part
+from .serving import serving_part
 
 __all__ = [
     "CPU_PARTS",
@@ -62,6 +66,7 @@ __all__ = [
     "multi_gpu_part",
     "prefill_part",
     "sass_part",
+    "serving_part",
     "run",
     "split_model",
     "storage_devices",
@@ -98,7 +103,8 @@ def run(cfg: BenchConfig, log=print) -> dict:
     log(json.dumps(cfg.results["env"]))
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
              "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part,
-             "first_call": first_call_part, "sass": sass_part, "batch1": interleaved_part}
+             "first_call": first_call_part, "sass": sass_part, "batch1": interleaved_part,
+             "serving": serving_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

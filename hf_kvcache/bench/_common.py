@@ -55,6 +55,11 @@ class BenchConfig:
     prefill_pad: int = 0  # left padding of every other row of the prefill part's batch (a batch of unequal prompts)
     compile_arch: int = 90  # the CUDA architecture the compiles part compiles for (sm_90: Hopper)
     compile_warm_up: bool = False  # the compiles part runs `hf_kvcache.warm_up` before the calls
+    serving_requests: int = 128  # the serving part's workload: requests, prompt tokens (shortest, longest), new tokens
+    serving_prompt: tuple[int, int] = (1024, 4096)
+    serving_new_tokens: int = 128
+    serving_budget_gb: float = 2.0  # the pages' memory, the same for every format
+    serving_methods: tuple[str, ...] = ("fp8-e4m3", "turboquant-4", "kivi-2")
     results: dict = field(default_factory=dict)
 
 
