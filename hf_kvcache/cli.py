@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(the Triton compiles of a first generate call, for --compile-arch; needs no GPU), first_call (a first "
         "generate on an empty Triton cache against the second, with and without warm_up), sass (each method's "
         "decode kernel compiled for --compile-arch: its instructions and bytes a held token; needs no GPU) and "
-        "serving (--serving-requests through continuous batching in --serving-budget-gb of pages, packed against bf16)"
+        "serving (--serving-requests through continuous batching in --serving-budget-gb of pages, packed against bf16) "
+        "and pages (bytes a token slot of --serving-methods on the 8B shape; needs no GPU)"
     )
     bench.add_argument("--methods", default=None,
                        help="cache specs of the kernel part (default: the README's front presets and INT2, "
@@ -518,7 +519,7 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             parts = tuple(p for p in args.parts.split(",") if p) + (("multi_gpu",) if args.multi_gpu else ())
         known = ("kernel", "e2e", "decode", "batch1", "prefill", "capacity", "sweep", "multi_gpu", "compiles",
-                 "first_call", "sass", "serving")
+                 "first_call", "sass", "serving", "pages")
         unknown = set(parts) - set(known)
         if unknown:
             raise UsageError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(known)}")
@@ -568,7 +569,7 @@ def _bench(args: argparse.Namespace) -> int:
             cfg.methods = tuple(split_methods([args.methods]))
         if not torch.cuda.is_available() and set(parts) - set(CPU_PARTS):
             raise UsageError("bench measures GPU speed and needs a CUDA device (none is visible); only --parts "
-                             "compiles and sass run without one")
+                             "compiles, sass and pages run without one")
     except UsageError as error:
         print(f"hf-kvcache: error: {error}", file=sys.stderr)
         return 2

@@ -28,7 +28,8 @@ Each part prints its baseline measured in the same run:
   bytes a held token: the share of fp8-e4m3's rate its instruction issue allows; needs no GPU (`sass_part`).
 - serving (`serving.py`): many requests through transformers' continuous batching at a fixed KV memory budget, packed
   pages (`hf_kvcache.paged`) against transformers' bf16 pages: tokens held, requests at once, tokens/s, time to first
-  token, per-token latency, peak memory (`serving_part`).
+  token, per-token latency, peak memory (`serving_part`); pages (needs no GPU): each format's bytes a token slot on
+  the 8B shape, and the exact tokens a request keeps outside the pages (`pages_part`).
 - first_call (`compiles.py`): a first `generate` on an empty Triton cache against the second, with and without
   `hf_kvcache.warm_up` first (`first_call_part`).
 """
@@ -49,7 +50,7 @@ from .kernel import _attend, _filled_layer, kernel_part, sweep_part
 from .multi_gpu import multi_gpu_part, split_model, storage_devices
 from .prefill import prefill_part
 from .sass import sass_part
-from .serving import serving_part
+from .serving import pages_part, serving_part
 
 __all__ = [
     "CPU_PARTS",
@@ -67,6 +68,7 @@ __all__ = [
     "prefill_part",
     "sass_part",
     "serving_part",
+    "pages_part",
     "run",
     "split_model",
     "storage_devices",
@@ -82,7 +84,7 @@ __all__ = [
 ]
 
 
-CPU_PARTS = ("compiles", "sass")  # the parts that run without a GPU
+CPU_PARTS = ("compiles", "sass", "pages")  # the parts that run without a GPU
 
 
 def run(cfg: BenchConfig, log=print) -> dict:
@@ -104,7 +106,7 @@ def run(cfg: BenchConfig, log=print) -> dict:
     parts = {"kernel": kernel_part, "e2e": e2e_part, "decode": decode_part, "capacity": capacity_part,
              "sweep": sweep_part, "multi_gpu": multi_gpu_part, "prefill": prefill_part, "compiles": compiles_part,
              "first_call": first_call_part, "sass": sass_part, "batch1": interleaved_part,
-             "serving": serving_part}
+             "serving": serving_part, "pages": pages_part}
     for part in cfg.parts:
         log(f"\n== {part}")
         with torch.no_grad():

@@ -137,3 +137,32 @@ def serving_part(cfg: BenchConfig, log=print) -> list[dict]:
                                   new_tokens=cfg.serving_new_tokens, budget_gb=cfg.serving_budget_gb,
                                   layers=cfg.e2e_layers, rows=rows)
     return rows
+
+
+def pages_part(cfg: BenchConfig, log=print) -> list[dict]:
+    """Bytes of one token's page slot in each format on the Llama-3-8B shape (one layer's K and V, bf16 model), the
+    tokens a page budget holds against bf16 pages, and what each request keeps outside the pages (exact sinks and
+    window, per layer). Needs no GPU: the allocators are built, not run."""
+    from .._compat import paged_head_dim
+    from ..paged import PackedBatchingConfig, _allocator_for
+    from ._common import _llama_config
+
+    config = _llama_config(1, attn="sdpa")
+    heads, dim = config.num_key_value_heads, paged_head_dim(config)
+    bf16 = 2 * heads * dim * 2
+    rows = [dict(method="none", slot_bytes=bf16, ratio=1.0, exact_tokens=0)]
+    for spec in cfg.serving_methods:
+        allocator = _allocator_for(PackedBatchingConfig(spec), config, "full_attention", None, index=0,
+                                   layer_indices=[0], num_key_value_heads=heads, cache_dtype=torch.bfloat16,
+                                   page_size=256, allow_block_sharing=True)
+        p = allocator.policies[0]
+        exact = p.sink_tokens + max(p.key_residual_length, p.value_residual_length)
+        rows.append(dict(method=spec, slot_bytes=allocator.slot_bytes, ratio=bf16 / allocator.slot_bytes,
+                         exact_tokens=exact, prefix_sharing=allocator.supports_block_sharing))
+    log("| pages | bytes a token a layer | tokens in the same pages | exact tokens a request a layer, outside them |")
+    log("|---|---|---|---|")
+    for r in rows:
+        name = "bf16 (transformers')" if r["method"] == "none" else f"`{r['method']}`"
+        log(f"| {name} | {r['slot_bytes']} | x{r['ratio']:.2f} | {r['exact_tokens']} |")
+    cfg.results["pages"] = dict(shape="llama-3-8b", dtype="bf16", rows=rows)
+    return rows
