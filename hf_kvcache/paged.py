@@ -221,8 +221,9 @@ class PackedPageAllocator(_FullAllocator):
 
     # --- requests
     def get_write_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
-        # Called for each request of a batch, in batch order, before its forward: the batch's plan.
-        if self._plan_used:
+        # Called for each request of a batch, in batch order, before its forward: the batch's plan. A request already
+        # in the plan starts a new one too (a batch whose forward never came, after an error).
+        if self._plan_used or any(r == request_id for r, _, _ in self._plan):
             self._plan, self._plan_used = [], False
         self._plan.append((request_id, past_length, query_length))
         return super().get_write_indices(request_id, past_length, query_length)
@@ -306,7 +307,7 @@ class PackedPageAllocator(_FullAllocator):
                write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store each request's new tokens `(q, H, D)` in its pages and return, request after request in batch order,
         its history as stored followed by its new tokens exact: `(sum of past + q, H, D)`."""
-        self._plan_used = True
+        self._plan_used = True  # the next batch's first request starts a new plan, whatever happens here
         if sum(q for _, _, q in self._plan) != key_states.shape[0]:
             raise RuntimeError(f"packed pages: the batch has {key_states.shape[0]} new tokens, its requests "
                                f"{sum(q for _, _, q in self._plan)} (padded batches, CUDA graphs or async batching "
