@@ -141,26 +141,36 @@ class _StreamFormat:
         return max(after - r, 0) if self.window else (after // r) * r
 
     def to_bytes(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Fields `(1, H, n, ...)` -> `(n * G, slot_bytes)` uint8, each block row spread over its G slots."""
-        rows = [fields[name][0].transpose(0, 1).reshape(fields[name].shape[2], -1).contiguous().view(torch.uint8)
-                for name, *_ in self.fields]
+        """Fields `(B, H, n, ...)` -> `(B * n * G, slot_bytes)` uint8, sequence after sequence, each block row spread
+        over its G slots."""
+        rows = []
+        for name, *_ in self.fields:
+            f = fields[name]
+            rows.append(f.transpose(1, 2).reshape(f.shape[0] * f.shape[2], -1).contiguous().view(torch.uint8))
         flat = torch.cat(rows, dim=1)
-        g = self.codec.block_size
-        pad = g * self.slot_bytes - flat.shape[1]
+        pad = self.codec.block_size * self.slot_bytes - flat.shape[1]
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         return flat.reshape(-1, self.slot_bytes)
 
-    def from_bytes(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`(n * G, slot_bytes)` uint8 -> fields `(1, H, n, ...)`."""
-        g = self.codec.block_size
-        flat = slots.reshape(-1, g * self.slot_bytes)
-        n, out, at = flat.shape[0], {}, 0
+    def from_bytes(self, slots: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
+        """`(B * n * G, slot_bytes)` uint8 -> fields `(B, H, n, ...)`."""
+        flat = slots.reshape(-1, self.codec.block_size * self.slot_bytes)
+        n, out, at = flat.shape[0] // batch, {}, 0
         for name, heads, tail, dtype, nbytes in self.fields:
             raw = flat[:, at : at + nbytes].contiguous().view(dtype)
-            out[name] = raw.reshape(n, heads, *tail).transpose(0, 1).unsqueeze(0)
+            out[name] = raw.reshape(batch, n, heads, *tail).transpose(1, 2)
             at += nbytes
         return out
+
+
+def _stacked(states: list[dict]) -> dict:
+    """Per-sequence codec states (batch axis first, one sequence each) as one state of as many sequences."""
+    return {k: torch.cat([st[k] for st in states]) for k in states[0]} if states and states[0] else {}
+
+
+def _state_key(state: dict) -> tuple:
+    return tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in state.items()))
 
 
 @dataclass
@@ -172,6 +182,17 @@ class _StreamState:
     packed: int = 0  # tokens past the sinks that are packed (in slots 0 .. packed - 1)
     held: int = 0
     state: dict = dataclasses.field(default_factory=dict)
+
+
+def _first(n: int, parts: list) -> list[torch.Tensor]:
+    """The first `n` tokens of the pieces `parts` (each `(H, t, D)` or None), in order, as views."""
+    out = []
+    for part in parts:
+        if part is None or n <= 0:
+            continue
+        out.append(part[:, :n])
+        n -= part.shape[1]
+    return out
 
 
 class PackedPageAllocator(_FullAllocator):
@@ -207,6 +228,7 @@ class PackedPageAllocator(_FullAllocator):
         self._requests: dict[str, dict[int, dict[str, _StreamState]]] = {}
         self._plan: list[tuple[str, int, int]] = []  # this batch's (request, past, new tokens), in batch order
         self._plan_used = False
+        self._order_of: tuple | None = None  # (plan, its permutation), `_order`
         self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=page_size,
                                        bytes_per_page=self.slot_bytes * page_size,
                                        allow_block_sharing=allow_block_sharing)
@@ -258,15 +280,15 @@ class PackedPageAllocator(_FullAllocator):
         return streams
 
     def _slots(self, request_id: str, layer_idx: int, idx: torch.Tensor) -> torch.Tensor:
-        """Slot rows of packed indices `idx` of a request in one layer."""
+        """Slot rows of packed indices `idx` of a request in one layer (host tensors)."""
         table = torch.tensor(self.block_table[request_id], dtype=torch.long)
         p = self.tokens_per_page
         return table[idx // p] * self.block_physical_stride + self._layer_offset[layer_idx] + idx % p
 
-    # --- one stream of one request
-    def _write(self, fmt: _StreamFormat, st: _StreamState, x: torch.Tensor, request_id: str, layer_idx: int,
-               cols: slice) -> None:
-        """Store `x (H, q, D)`, the request's next tokens."""
+    # --- one stream of one layer, every request of the batch
+    def _append(self, fmt: _StreamFormat, st: _StreamState, x: torch.Tensor) -> int:
+        """Take a request's next tokens `x (H, q, D)` into its sinks and window (observing a codec's per-sequence
+        statistic on the first past the sinks); returns how many window tokens are to be packed now."""
         s, codec = fmt.sink_tokens, fmt.codec
         past = st.held
         st.held += x.shape[1]
@@ -274,71 +296,109 @@ class PackedPageAllocator(_FullAllocator):
             k = min(s - past, x.shape[1])
             st.sink = x[:, :k].clone() if st.sink is None else torch.cat([st.sink, x[:, :k]], dim=1)
             x = x[:, k:]
-        if not x.shape[1]:
-            return
-        codec.state = st.state
-        if codec.observing:
-            codec.observe(x.unsqueeze(0), None)
-        st.ring = x.clone() if st.ring is None else torch.cat([st.ring, x], dim=1)
-        target = fmt.packed_after(st.held - min(st.held, s))
-        n = target - st.packed
-        if n > 0:
-            tokens, st.ring = st.ring[:, :n], st.ring[:, n:]
-            fields = codec.encode(tokens.unsqueeze(0), None)
-            rows = self._slots(request_id, layer_idx, torch.arange(st.packed, target))
-            self.cache_tensor[:, cols].index_copy_(0, rows, fmt.to_bytes(fields))
-            st.packed = target
-        st.state = codec.state
+        if x.shape[1]:
+            codec.state = st.state
+            if codec.observing:
+                codec.observe(x.unsqueeze(0), None)
+                st.state = codec.state
+            st.ring = x.clone() if st.ring is None else torch.cat([st.ring, x], dim=1)
+        return fmt.packed_after(st.held - min(st.held, s)) - st.packed
 
-    def _read(self, fmt: _StreamFormat, st: _StreamState, dtype: torch.dtype, request_id: str, layer_idx: int,
-              cols: slice) -> torch.Tensor:
-        """The request's held tokens of this stream, `(H, held, D)`: sinks, packed (dequantized), window."""
-        parts = [] if st.sink is None else [st.sink.to(dtype)]
-        if st.packed:
-            rows = self._slots(request_id, layer_idx, torch.arange(st.packed))
-            fmt.codec.state = st.state
-            parts.append(fmt.codec.decode(fmt.from_bytes(self.cache_tensor[rows, cols]), dtype)[0])
-        if st.ring is not None:
-            parts.append(st.ring.to(dtype))
-        return torch.cat(parts, dim=1)
+    def _pack(self, fmt: _StreamFormat, jobs: list, layer_idx: int, cols: slice) -> None:
+        """Encode the tokens leaving the requests' windows into their slots: `jobs` of `(request, state, n)`, one
+        encode for the requests that pack as many tokens with states of one layout (a decode step: all of them)."""
+        groups: dict[tuple, list] = {}
+        for job in jobs:
+            groups.setdefault((job[2], _state_key(job[1].state)), []).append(job)
+        codec = fmt.codec
+        for (n, _), group in groups.items():
+            codec.state = _stacked([st.state for _, st, _ in group])
+            fields = codec.encode(torch.stack([st.ring[:, :n] for _, st, _ in group]), None)
+            rows = torch.cat([self._slots(rid, layer_idx, torch.arange(st.packed, st.packed + n))
+                              for rid, st, _ in group])
+            self.cache_tensor[:, cols].index_copy_(0, rows.to(self.cache_tensor.device), fmt.to_bytes(fields))
+            for r, (_, st, _) in enumerate(group):
+                st.ring, st.packed = st.ring[:, n:], st.packed + n
+                st.state = {k: v[r : r + 1] for k, v in codec.state.items()}
+
+    def _packed_dense(self, fmt: _StreamFormat, readers: list, layer_idx: int, cols: slice,
+                      dtype: torch.dtype) -> dict:
+        """Each request's packed tokens dequantized, `{request: (H, packed, D)}`: one gather and one decode for the
+        requests whose states share a layout, their rows padded to the longest with the read trash row (zeros)."""
+        groups: dict[tuple, list] = {}
+        for job in readers:
+            if job[1].packed:
+                groups.setdefault(_state_key(job[1].state), []).append(job)
+        out = {}
+        for group in groups.values():
+            longest = max(st.packed for _, st in group)
+            rows = torch.full((len(group), longest), self.read_trash_index, dtype=torch.long)
+            for r, (rid, st) in enumerate(group):
+                rows[r, : st.packed] = self._slots(rid, layer_idx, torch.arange(st.packed))
+            slots = self.cache_tensor[:, cols].index_select(0, rows.reshape(-1).to(self.cache_tensor.device))
+            fmt.codec.state = _stacked([st.state for _, st in group])
+            dense = fmt.codec.decode(fmt.from_bytes(slots, len(group)), dtype)  # (R, H, longest, D)
+            for r, (rid, st) in enumerate(group):
+                out[rid] = dense[r, :, : st.packed]
+        return out
 
     # --- the forward's update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
                write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store each request's new tokens `(q, H, D)` in its pages and return, request after request in batch order,
-        its history as stored followed by its new tokens exact: `(sum of past + q, H, D)`."""
+        its history as stored followed by its new tokens exact: `(sum of past + q, H, D)`. Encoding and decoding run
+        once for the batch's requests of one layout (per-request work is bookkeeping and the windows' appends)."""
         self._plan_used = True  # the next batch's first request starts a new plan, whatever happens here
-        if sum(q for _, _, q in self._plan) != key_states.shape[0]:
+        plan = self._plan
+        if sum(q for _, _, q in plan) != key_states.shape[0]:
             raise RuntimeError(f"packed pages: the batch has {key_states.shape[0]} new tokens, its requests "
-                               f"{sum(q for _, _, q in self._plan)} (padded batches, CUDA graphs or async batching "
+                               f"{sum(q for _, _, q in plan)} (padded batches, CUDA graphs or async batching "
                                "are not supported with packed pages)")
-        fmts, policy = self.formats[layer_idx], self.policies[layer_idx]
-        rotation = policy.key_rotation
+        fmts, rotation = self.formats[layer_idx], self.policies[layer_idx].key_rotation
         cols = {"keys": slice(0, fmts["keys"].slot_bytes),
                 "values": slice(self.key_bytes, self.key_bytes + fmts["values"].slot_bytes)}
-        out_k, out_v, start = [], [], 0
+        streams = [self._streams(rid, layer_idx, past) for rid, past, _ in plan]
+        new = {"keys": key_states.transpose(0, 1), "values": value_states.transpose(0, 1)}  # (H, sum q, D)
+        out = {}
         with kernels.use_backend("torch"):
-            for request_id, past, q in self._plan:
-                streams = self._streams(request_id, layer_idx, past)
-                new = {"keys": key_states[start : start + q].transpose(0, 1),
-                       "values": value_states[start : start + q].transpose(0, 1)}
-                start += q
-                for name in ("keys", "values"):
-                    x = new[name]
-                    if name == "keys" and rotation is not None:
-                        x = rotation.apply(x.unsqueeze(0))[0]
-                    self._write(fmts[name], streams[name], x, request_id, layer_idx, cols[name])
-                if not past:  # a first prefill attends to its own tokens, exact
-                    out_k.append(new["keys"])
-                    out_v.append(new["values"])
+            for name in ("keys", "values"):
+                fmt, x = fmts[name], new[name]
+                if name == "keys" and rotation is not None:  # stored rotated; the attention gets them back
+                    x = rotation.apply(x.unsqueeze(0))[0]
+                jobs, start = [], 0
+                for (rid, _, q), st in zip(plan, streams):
+                    n = self._append(fmt, st[name], x[:, start : start + q])
+                    start += q
+                    if n > 0:
+                        jobs.append((rid, st[name], n))
+                self._pack(fmt, jobs, layer_idx, cols[name])
+                readers = [(rid, st[name]) for (rid, past, _), st in zip(plan, streams) if past]
+                if not readers:  # first prefills only: each attends to its own tokens, exact
+                    out[name] = new[name]
                     continue
-                for name, out in (("keys", out_k), ("values", out_v)):
-                    held = self._read(fmts[name], streams[name], key_states.dtype, request_id, layer_idx, cols[name])
-                    history = held[:, :past]
-                    if name == "keys" and rotation is not None:
-                        history = rotation.apply(history.unsqueeze(0), inverse=True)[0]
-                    out.append(torch.cat([history, new[name]], dim=1))
-        return torch.cat(out_k, dim=1).transpose(0, 1), torch.cat(out_v, dim=1).transpose(0, 1)
+                packed = self._packed_dense(fmt, readers, layer_idx, cols[name], key_states.dtype)
+                pieces = []
+                for (rid, past, _), st in zip(plan, streams):
+                    if past:
+                        pieces += _first(past, [st[name].sink, packed.get(rid), st[name].ring])
+                history = torch.cat(pieces, dim=1)  # (H, sum past, D), stored frame
+                if name == "keys" and rotation is not None:
+                    history = rotation.apply(history.unsqueeze(0), inverse=True)[0]
+                out[name] = torch.cat([history, new[name]], dim=1).index_select(1, self._order(plan, x.device))
+        return out["keys"].transpose(0, 1), out["values"].transpose(0, 1)
+
+    def _order(self, plan: list, device: torch.device) -> torch.Tensor:
+        """Where each request's history and new tokens sit in `cat([histories], [new tokens])`: the permutation to
+        `[history 0, new 0, history 1, new 1, ...]`, computed once a batch."""
+        if self._order_of is not None and self._order_of[0] is plan:
+            return self._order_of[1]
+        total_past = sum(past for _, past, _ in plan)
+        order, h, q0 = [], 0, total_past
+        for _, past, q in plan:
+            order += list(range(h, h + past)) + list(range(q0, q0 + q))
+            h, q0 = h + past, q0 + q
+        self._order_of = (plan, torch.tensor(order, dtype=torch.long, device=device))
+        return self._order_of[1]
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("packed pages are read by index (max_blocks_per_request=0)")
