@@ -323,14 +323,25 @@ class PackedPageAllocator(_FullAllocator):
 
     def _packed_dense(self, fmt: _StreamFormat, readers: list, layer_idx: int, cols: slice,
                       dtype: torch.dtype) -> dict:
-        """Each request's packed tokens dequantized, `{request: (H, packed, D)}`: one gather and one decode for the
-        requests whose states share a layout, their rows padded to the longest with the read trash row (zeros)."""
-        groups: dict[tuple, list] = {}
-        for job in readers:
+        """Each request's packed tokens dequantized, `{request: (H, packed, D)}`: one gather and one decode for
+        requests whose states share a layout and whose lengths are close (rows padded to the group's longest with the
+        read trash row, zeros, at most a quarter of those read)."""
+        layouts: dict[tuple, list] = {}
+        for job in sorted(readers, key=lambda job: -job[1].packed):
             if job[1].packed:
-                groups.setdefault(_state_key(job[1].state), []).append(job)
+                layouts.setdefault(_state_key(job[1].state), []).append(job)
+        groups = []  # longest first, cut where padding would pass a quarter of the rows read
+        for jobs in layouts.values():
+            group, held = [], 0
+            for job in jobs:
+                if group and (len(group) + 1) * group[0][1].packed > 1.25 * (held + job[1].packed):
+                    groups.append(group)
+                    group, held = [], 0
+                group.append(job)
+                held += job[1].packed
+            groups.append(group)
         out = {}
-        for group in groups.values():
+        for group in groups:
             longest = max(st.packed for _, st in group)
             rows = torch.full((len(group), longest), self.read_trash_index, dtype=torch.long)
             for r, (rid, st) in enumerate(group):
