@@ -194,6 +194,30 @@ def test_prefix_sharing_and_cancel_leave_no_page(allocators):
 
 
 @needs_seam
+@pytest.mark.parametrize("spec", ["kivi-2", "exact"])  # windows and state; shared pages
+def test_requests_that_do_not_fit_are_reset_and_match(spec, allocators, monkeypatch):
+    """Pages for fewer tokens than the requests need: transformers resets some (frees their pages, queues them again
+    with what they generated as prompt); their state goes and comes back with them, and the tokens still match."""
+    from hf_kvcache import paged
+
+    resets = []
+    free = paged.PackedPageAllocator.free_blocks
+    monkeypatch.setattr(paged.PackedPageAllocator, "free_blocks",
+                        lambda self, rid, no_cache=False: (resets.append(rid) if no_cache else None,
+                                                           free(self, rid, no_cache)))
+    model = tiny_model("qwen3")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(FIRST_TOKEN_ID, 512, (40,), generator=g).tolist() for _ in range(8)]
+    from hf_kvcache import PackedBatchingConfig
+
+    cfg = PackedBatchingConfig(spec, page_size=PAGE, num_blocks=12, max_batch_tokens=256)
+    got = _generate_batch(model, prompts, cfg, new=60)
+    assert resets, "no request was reset: the pages held them all"
+    _check_against_generate(model, prompts, got, lambda: make_cache(spec, model), new=60)
+    _check_freed(allocators)
+
+
+@needs_seam
 def test_bad_configs_are_refused():
     from hf_kvcache import PackedBatchingConfig
 
