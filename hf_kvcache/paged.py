@@ -18,8 +18,9 @@ swaps the allocator of the full-attention layers for `PackedPageAllocator`, whos
   are all it stores (no sinks, window or per-sequence state: `int*`, `exact`), and transformers turns it off for the
   others (their shared pages alone would not be a request's history).
 
-This is the reference read (dequantize each request's history, then the model's own attention), on every device:
-the paged fused kernels are not built yet, so on CUDA it is correct but not the fast path. CB's CUDA graphs, async
+This is the reference read (each request's history dequantized, then the model's own attention), on every device,
+with one encode and one gather-and-decode a layer and stream for the batch's requests of one layout: the paged fused
+kernels are not built yet, so on CUDA it is correct but not the fast path. CB's CUDA graphs, async
 batching, block-table decode and CPU offloading are turned off for it (`PackedBatchingConfig`), and sliding-window
 layers keep transformers' own pages. Everything that depends on transformers' version is in `_compat`.
 """
