@@ -4,7 +4,8 @@ preset's format (`hf_kvcache.paged`).
 One manager (`model.init_continuous_batching`) runs the batches in its own thread; each HTTP request adds its prompt
 and waits for its result, which one dispatcher thread takes from the manager's output queue and hands to the request
 that asked. The standard library serves HTTP (`ThreadingHTTPServer`): no web framework to install. Endpoints:
-`POST /v1/completions`, `POST /v1/chat/completions` (non-streaming), `GET /v1/models`, `GET /health`. Sampling is the
+`POST /v1/completions`, `POST /v1/chat/completions` (`"stream": true` answers in server-sent events), `GET /v1/models`,
+`GET /health`. Sampling is the
 server's (`--do-sample`, `--temperature`, `--top-p`); a request sets `max_tokens`.
 """
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -46,7 +49,7 @@ class Server:
             top_p=top_p if do_sample else None, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id or eos)
         self.cb_config = PackedBatchingConfig(kv_cache, **cb_kwargs)
         self.manager = None
-        self._waiting: dict[str, list] = {}  # request id -> [event, result]
+        self._waiting: dict[str, queue.Queue] = {}  # request id -> its outputs, as the dispatcher takes them
         self._lock = threading.Lock()
         self._running = self._serving = False
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
@@ -80,41 +83,61 @@ class Server:
         if self.manager is not None:
             self.manager.stop(block=True)
         with self._lock:
-            for slot in self._waiting.values():
-                slot[0].set()
+            for inbox in self._waiting.values():
+                inbox.put(None)
 
     def _dispatch(self) -> None:
         while self._running:
             result = self.manager.get_result(timeout=0.1)
-            if result is None or not result.is_finished():
+            if result is None:
                 continue
             with self._lock:
-                slot = self._waiting.get(result.request_id)
-            if slot is not None:
-                slot[1] = result
-                slot[0].set()
+                inbox = self._waiting.get(result.request_id)
+            if inbox is not None:
+                inbox.put(result)
 
-    def generate(self, prompt_ids: list[int], max_tokens: int):
-        """Add one request and wait for its result: `(generated token ids, finish reason)`."""
+    def results(self, prompt_ids: list[int], max_tokens: int, streaming: bool = False) -> Iterator:
+        """Add one request and yield its outputs as they come (every token when `streaming`, else the last), ending
+        with the finished one; a request left before its end (a client gone) is cancelled."""
         request_id = f"req-{uuid.uuid4().hex}"
-        slot = [threading.Event(), None]
+        inbox: queue.Queue = queue.Queue()
         with self._lock:
-            self._waiting[request_id] = slot
+            self._waiting[request_id] = inbox
+        finished = False
         try:
-            self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_tokens)
-            if not slot[0].wait(self.timeout) or slot[1] is None:
-                self.manager.cancel_request(request_id)
-                raise TimeoutError(f"no result within {self.timeout:g} s")
+            self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=max_tokens, streaming=streaming)
+            deadline = time.monotonic() + self.timeout
+            while not finished:
+                try:
+                    result = inbox.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    raise TimeoutError(f"no result within {self.timeout:g} s") from None
+                if result is None:
+                    raise RuntimeError("the server is stopping")
+                if result.error:
+                    raise RuntimeError(str(result.error))
+                finished = result.is_finished()
+                yield result
         finally:
             with self._lock:
                 self._waiting.pop(request_id, None)
-        result = slot[1]
-        if getattr(result, "error", None):
-            raise RuntimeError(str(result.error))
+            if not finished and self._running:
+                self.manager.cancel_request(request_id)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+        """One request to its end: `(generated token ids, finish reason)`."""
+        *_, result = self.results(prompt_ids, max_tokens)
         tokens = list(result.generated_tokens)
+        return tokens, self._reason(tokens, max_tokens)
+
+    def _reason(self, tokens: list[int], max_tokens: int) -> str:
         eos = self.generation_config.eos_token_id
         stopped = bool(tokens) and tokens[-1] in (eos if isinstance(eos, list) else [eos])
-        return tokens, ("stop" if stopped or len(tokens) < max_tokens else "length")
+        return "stop" if stopped or len(tokens) < max_tokens else "length"
+
+    def _text(self, tokens: list[int]) -> str:
+        eos = self.generation_config.eos_token_id
+        return self.tokenizer.decode([t for t in tokens if t != eos], skip_special_tokens=True)
 
     # --- the API
     def _max_tokens(self, body: dict) -> int:
@@ -125,24 +148,41 @@ class Server:
 
     def _checked(self, body: dict) -> int:
         """The request's max_tokens, after refusing what this server does not do."""
-        if body.get("stream"):
-            raise RequestError("stream=true is not supported: ask without streaming")
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1")
         return self._max_tokens(body)
 
     def _answer(self, prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int, int]:
         tokens, reason = self.generate(prompt_ids, max_tokens)
-        eos = self.generation_config.eos_token_id
-        text = self.tokenizer.decode([t for t in tokens if t != eos], skip_special_tokens=True)
-        return text, reason, len(prompt_ids), len(tokens)
+        return self._text(tokens), reason, len(prompt_ids), len(tokens)
 
-    def completions(self, body: dict) -> dict:
+    def _stream(self, kind: str, prompt_ids: list[int], max_tokens: int) -> Iterator[dict]:
+        """The chunks of a streamed answer: the text each new token adds (decoded whole, so that a character split
+        over tokens comes out once), then the finish reason."""
+        chat = kind == "chat.completion.chunk"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
+                "created": int(time.time()), "model": self.name}
+        sent, tokens = "", []
+        for result in self.results(prompt_ids, max_tokens, streaming=True):
+            tokens = list(result.generated_tokens)
+            text = self._text(tokens)
+            if len(text) > len(sent) and not text.endswith("\ufffd"):
+                delta, sent = text[len(sent):], text
+                yield head | {"choices": [{"index": 0, "finish_reason": None,
+                                           **({"delta": {"content": delta}} if chat else {"text": delta})}]}
+        yield head | {"choices": [{"index": 0, "finish_reason": self._reason(tokens, max_tokens),
+                                   **({"delta": {}} if chat else {"text": ""})}]}
+
+    def completions(self, body: dict) -> dict | Iterator[dict]:
         prompt = body.get("prompt")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise RequestError("prompt must be a string or a list of strings")
         max_tokens = self._checked(body)
+        if body.get("stream"):
+            if len(prompts) != 1:
+                raise RequestError("stream=true takes one prompt")
+            return self._stream("text_completion", self.tokenizer(prompts[0])["input_ids"], max_tokens)
         choices, used, made = [], 0, 0
         with ThreadPoolExecutor(len(prompts)) as pool:  # every prompt of the list at once: they batch together
             answers = list(pool.map(lambda p: self._answer(self.tokenizer(p)["input_ids"], max_tokens), prompts))
@@ -151,7 +191,7 @@ class Server:
             used, made = used + n_in, made + n_out
         return self._response("text_completion", choices, used, made)
 
-    def chat(self, body: dict) -> dict:
+    def chat(self, body: dict) -> dict | Iterator[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
@@ -160,6 +200,8 @@ class Server:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
+        if body.get("stream"):
+            return self._stream("chat.completion.chunk", list(ids), max_tokens)
         text, reason, n_in, n_out = self._answer(list(ids), max_tokens)
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
         return self._response("chat.completion", [choice], n_in, n_out)
@@ -177,6 +219,11 @@ class Server:
         return {"status": "ok", "model": self.name, "kv_cache": self.kv_cache, "kv_cache_format": describe(self.kv_cache)}
 
 
+def _chain(first: dict, rest: Iterator[dict]) -> Iterator[dict]:
+    yield first
+    yield from rest
+
+
 def _handler(server: Server) -> type:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -191,6 +238,23 @@ def _handler(server: Server) -> type:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _send_events(self, chunks: Iterator[dict]) -> None:
+            """Server-sent events, one chunk each, then `[DONE]`; the connection closes after them."""
+            first = next(chunks)  # an error before the first token is still answered with its status
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            try:
+                for chunk in _chain(first, chunks):
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                chunks.close()  # the client left: its request is cancelled
 
         def _error(self, status: int, message: str, kind: str) -> None:
             self._send(status, {"error": {"message": message, "type": kind}})
@@ -215,7 +279,11 @@ def _handler(server: Server) -> type:
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
-                self._send(200, route(body))
+                answer = route(body)
+                if isinstance(answer, dict):
+                    self._send(200, answer)
+                else:
+                    self._send_events(answer)
             except (RequestError, json.JSONDecodeError) as error:
                 self._error(400, str(error), "invalid_request_error")
             except TimeoutError as error:
@@ -231,7 +299,7 @@ def add_parser(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="OpenAI-style completions and chat over transformers' continuous batching, its pages packed",
-        description="Serves POST /v1/completions and /v1/chat/completions (non-streaming), GET /v1/models and /health "
+        description="Serves POST /v1/completions and /v1/chat/completions (\"stream\": true too), GET /v1/models and /health "
         "with transformers' continuous batching, every page holding the --kv-cache preset's packed bytes: the same "
         "memory holds more tokens and more requests at once. Needs transformers >= 5.25.",
     )

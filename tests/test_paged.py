@@ -254,7 +254,8 @@ def test_old_transformers_is_told_the_version():
 @pytest.mark.slow
 def test_server_answers_concurrent_requests(default_model):
     """`hf-kvcache serve`'s server on 127.0.0.1 with the default model and a packed cache: concurrent completions and
-    chat requests over real HTTP get answers; a bad request gets a 400 that says why; the server stops."""
+    chat requests over real HTTP get answers; a streamed answer's chunks make the same text as the whole one (greedy);
+    a bad request gets a 400 that says why; the server stops."""
     import json
     import threading
     import urllib.error
@@ -288,6 +289,17 @@ def test_server_answers_concurrent_requests(default_model):
             text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
             assert isinstance(text, str) and answer["usage"]["completion_tokens"] >= 1
             assert answer["usage"]["completion_tokens"] <= (5 if path == "/v1/completions" else 6)
+        request = urllib.request.Request(f"http://{host}:{port}/v1/chat/completions", headers={
+            "Content-Type": "application/json"}, data=json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                                                  "max_tokens": 4, "stream": True}).encode())
+        with urllib.request.urlopen(request, timeout=120) as response:
+            events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) >= 3
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert streamed == post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 4})["choices"][0]["message"]["content"]
         with pytest.raises(urllib.error.HTTPError) as bad:
             post("/v1/completions", {"prompt": "x", "max_tokens": 0})
         assert bad.value.code == 400 and "max_tokens" in json.loads(bad.value.read())["error"]["message"]
