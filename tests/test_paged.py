@@ -132,7 +132,8 @@ def test_default_model_lossless_and_turboquant(default_model, allocators):
                                      auto_switch_to_flash=False)
     assert _generate_batch(model, prompts, _config("exact"), new=8) == _generate_batch(model, prompts, plain, new=8)
     got = _generate_batch(model, prompts, _config("turboquant-4"), new=8)
-    _check_against_generate(model, prompts, got, lambda: make_cache("turboquant-4", model), new=8)
+    # a third of them through `generate` (the tiny models check every request of every preset)
+    _check_against_generate(model, prompts[::3], got[::3], lambda: make_cache("turboquant-4", model), new=8)
     _check_freed(allocators)
 
 
