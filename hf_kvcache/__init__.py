@@ -31,7 +31,6 @@ __all__ = [
     "KVQuantCache",
     "LayerPolicy",
     "PRESETS",
-    "PackedBatchingConfig",
     "QuantizedFP8Cache",
     "QuantizedIntCache",
     "QuantizedKVCache",
@@ -57,7 +56,9 @@ def __getattr__(name: str):
         from .planner import plan
 
         return plan
-    if name == "PackedBatchingConfig":  # continuous batching: needs a recent transformers (`_compat`), loaded on use
+    # Continuous batching over packed pages: needs transformers 5.25 (`_compat`), so loaded on use and left out of
+    # `__all__` (a star import on an older transformers would fail on it).
+    if name == "PackedBatchingConfig":
         from .paged import PackedBatchingConfig
 
         return PackedBatchingConfig
