@@ -228,11 +228,12 @@ LAYERS = (
     ("layer and cache", ("hf_kvcache.layer", "hf_kvcache.cache", "hf_kvcache.attention", "hf_kvcache.patching")),
     ("artifact", ("hf_kvcache.artifact",)),
     ("methods", ("hf_kvcache.methods",)),
-    ("presets", ("hf_kvcache.presets", "hf_kvcache.warmup", "hf_kvcache")),
+    ("presets", ("hf_kvcache.presets", "hf_kvcache.warmup", "hf_kvcache.paged", "hf_kvcache")),
     ("calibrating and byte counts", ("hf_kvcache.calibration", "hf_kvcache.footprint")),
     ("evaluation", ("hf_kvcache.eval",)),
     ("bench", ("hf_kvcache.bench",)),
     ("planner", ("hf_kvcache.planner",)),
+    ("server", ("hf_kvcache.serve",)),
     ("command line", ("hf_kvcache.cli",)),
 )
 # The one import that runs up on purpose: the package lends `hf_kvcache.plan` from the planner, loaded at first use
