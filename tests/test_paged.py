@@ -219,6 +219,22 @@ def test_requests_that_do_not_fit_are_reset_and_match(spec, allocators, monkeypa
 
 
 @needs_seam
+def test_forked_requests_copy_pages_and_state(allocators):
+    """Several return sequences fork a request after its prompt (pages copied as bytes, the state with them): with
+    top-1 sampling every child generates its parent's tokens, which are `generate`'s."""
+    model = tiny_model("qwen3")
+    prompts = _prompts(4, seed=5)
+    gc = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
+                          num_return_sequences=2)
+    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=_config("kivi-2"),
+                               progress_bar=False)
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    assert [out[f"req_{i}__child#0"].generated_tokens for i in range(len(prompts))] == got
+    _check_against_generate(model, prompts, got, lambda: make_cache("kivi-2", model))
+    _check_freed(allocators)
+
+
+@needs_seam
 def test_bad_configs_are_refused():
     from hf_kvcache import PackedBatchingConfig
 
