@@ -39,10 +39,10 @@ D)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl525/*.whl && export PYTHONPATH=/tmp/site || exit 1
   python3 -c "import transformers; print('transformers', transformers.__version__)" | tee "$OUT/d0_versions.txt"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_paged.py -m cuda 2>&1 | tee "$OUT/d1_paged.log" \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_paged.py -m cuda 2>&1 | tee "$OUT/d1_paged.log" \
     | tail -8
-  timeout 320 hf-kvcache bench --parts serving --serving-requests 64 --serving-prompt 512,2048 \
-    --serving-new-tokens 64 --serving-budget-gb 1 --serving-methods fp8-e4m3,turboquant-4,kivi-2 \
+  timeout 240 hf-kvcache bench --parts serving --serving-requests 48 --serving-prompt 512,1536 \
+    --serving-new-tokens 48 --serving-budget-gb 1 --serving-methods fp8-e4m3,turboquant-4,kivi-2 \
     --json "$OUT/d2_serving.json" 2>&1 | tee "$OUT/d2_serving.log" | tail -12
   ;;
 esac
