@@ -6,8 +6,10 @@
 #                                 and 16 x 32k; carry [".whl"]: `pip download --no-deps --only-binary=:all:
 #                                 --python-version 3.12 -d .whl optimum-quanto ninja` here first
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests) and the serving part of the bench; needs
-#                                 transformers 5.25: carry [".whl525"] (transformers, huggingface-hub, kernels and
-#                                 their missing needs, `pip download --no-deps` as for C)
+#                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
+#                                 --no-deps` as for C of transformers==5.25.0 huggingface-hub==2.4.0 kernels==0.19.1
+#                                 httpx2==2.17.0 httpcore2==2.17.0 hf-xet==1.8.0 click==8.4.2 regex tomlkit truststore
+#                                 idna anyio (the host has transformers 5.17 and huggingface-hub 1.33)
 # Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
