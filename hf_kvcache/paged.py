@@ -230,6 +230,7 @@ class PackedPageAllocator(_FullAllocator):
         self._plan: list[tuple[str, int, int]] = []  # this batch's (request, past, new tokens), in batch order
         self._plan_used = False
         self._order_of: tuple | None = None  # (plan, its permutation), `_order`
+        self._bases: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (its pages, slot rows), `_slots`
         self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=page_size,
                                        bytes_per_page=self.slot_bytes * page_size,
                                        allow_block_sharing=allow_block_sharing)
@@ -254,6 +255,7 @@ class PackedPageAllocator(_FullAllocator):
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         super().free_blocks(request_id, no_cache)
         self._requests.pop(request_id, None)
+        self._bases.pop(request_id, None)
 
     def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int):
         out = super().fork_blocks(source_request_id, dest_request_id, past_length)
@@ -280,11 +282,17 @@ class PackedPageAllocator(_FullAllocator):
                                f"says {past}")
         return streams
 
-    def _slots(self, request_id: str, layer_idx: int, idx: torch.Tensor) -> torch.Tensor:
-        """Slot rows of packed indices `idx` of a request in one layer (host tensors)."""
-        table = torch.tensor(self.block_table[request_id], dtype=torch.long)
-        p = self.tokens_per_page
-        return table[idx // p] * self.block_physical_stride + self._layer_offset[layer_idx] + idx % p
+    def _slots(self, request_id: str) -> torch.Tensor:
+        """Slot rows of a request's token positions in the first layer (a layer adds its offset), on the cache's
+        device: rebuilt only when the request has gained a page, so a step copies no index to the device."""
+        table = self.block_table[request_id]
+        held = self._bases.get(request_id)
+        if held is None or held[0] != len(table):
+            p = self.tokens_per_page
+            idx = torch.arange(len(table) * p)
+            rows = torch.tensor(table, dtype=torch.long)[idx // p] * self.block_physical_stride + idx % p
+            held = self._bases[request_id] = (len(table), rows.to(self.cache_tensor.device))
+        return held[1]
 
     # --- one stream of one layer, every request of the batch
     def _append(self, fmt: _StreamFormat, st: _StreamState, x: torch.Tensor) -> int:
@@ -315,9 +323,8 @@ class PackedPageAllocator(_FullAllocator):
         for (n, _), group in groups.items():
             codec.state = _stacked([st.state for _, st, _ in group])
             fields = codec.encode(torch.stack([st.ring[:, :n] for _, st, _ in group]), None)
-            rows = torch.cat([self._slots(rid, layer_idx, torch.arange(st.packed, st.packed + n))
-                              for rid, st, _ in group])
-            self.cache_tensor[:, cols].index_copy_(0, rows.to(self.cache_tensor.device), fmt.to_bytes(fields))
+            rows = torch.cat([self._slots(rid)[st.packed : st.packed + n] for rid, st, _ in group])
+            self.cache_tensor[:, cols].index_copy_(0, rows + self._layer_offset[layer_idx], fmt.to_bytes(fields))
             for r, (_, st, _) in enumerate(group):
                 st.ring, st.packed = st.ring[:, n:], st.packed + n
                 st.state = {k: v[r : r + 1] for k, v in codec.state.items()}
@@ -343,11 +350,10 @@ class PackedPageAllocator(_FullAllocator):
             groups.append(group)
         out = {}
         for group in groups:
-            longest = max(st.packed for _, st in group)
-            rows = torch.full((len(group), longest), self.read_trash_index, dtype=torch.long)
-            for r, (rid, st) in enumerate(group):
-                rows[r, : st.packed] = self._slots(rid, layer_idx, torch.arange(st.packed))
-            slots = self.cache_tensor[:, cols].index_select(0, rows.reshape(-1).to(self.cache_tensor.device))
+            offset = self._layer_offset[layer_idx]
+            rows = torch.nn.utils.rnn.pad_sequence([self._slots(rid)[: st.packed] for rid, st in group],
+                                                   batch_first=True, padding_value=self.read_trash_index - offset)
+            slots = self.cache_tensor[:, cols].index_select(0, rows.reshape(-1) + offset)
             fmt.codec.state = _stacked([st.state for _, st in group])
             dense = fmt.codec.decode(fmt.from_bytes(slots, len(group)), dtype)  # (R, H, longest, D)
             for r, (rid, st) in enumerate(group):
