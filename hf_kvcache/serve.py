@@ -255,6 +255,9 @@ def _handler(server: Server) -> type:
                 self.wfile.write(b"data: [DONE]\n\n")
             except (BrokenPipeError, ConnectionResetError):
                 chunks.close()  # the client left: its request is cancelled
+            except Exception as error:  # the status is sent: the stream ends with the error as its last event
+                message = {"error": {"message": f"{type(error).__name__}: {error}", "type": "server_error"}}
+                self.wfile.write(b"data: " + json.dumps(message).encode() + b"\n\n")
 
         def _error(self, status: int, message: str, kind: str) -> None:
             self._send(status, {"error": {"message": message, "type": kind}})
