@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from . import _compat, kernels
 from .cache import QuantizedKVCache
 from .presets import PRESETS, make_cache, parse_spec
-from .storage import check_flush
+from .storage import StreamStorage
 
 _parts = _compat.continuous_batching_parts()
 _FullAllocator = _parts.FullAttentionCacheAllocator
@@ -110,36 +111,26 @@ def _allocator_for(cb_config, model_config, attn_type: str, make_default, **kwar
 
 
 class _StreamFormat:
-    """How one stream (keys or values) of one layer sits in a page slot, and where its tokens live (`StreamStorage`'s
-    rules: sinks, then packed, then the residual window)."""
+    """How one stream (keys or values) of one layer sits in a page slot; where its tokens live is `StreamStorage`'s
+    rule (`rules.split`: sinks, then packed, then the residual window), the same as a `generate` cache's."""
 
     def __init__(self, codec, sink_tokens: int, residual_length: int, flush: str, heads: int, head_dim: int,
                  dtype: torch.dtype):
         if getattr(codec, "needs_positions", False):
             raise ValueError(f"packed pages: {type(codec).__name__} stores pre-RoPE keys, which needs the model's "
                              "attention patched per request; kvquant-* is not served under continuous batching yet")
-        check_flush(codec, residual_length, flush)
-        if codec.block_size > 1 and not residual_length:  # as StreamStorage: the incomplete block waits exact
-            residual_length, flush = codec.block_size, "block"
-        self.codec, self.sink_tokens, self.ring_length, self.window = codec, sink_tokens, residual_length, flush == "fifo"
-        g = codec.block_size
-        probe = torch.zeros((1, heads, g, head_dim), dtype=dtype)
-        with kernels.use_backend("torch"):
-            twin = copy.deepcopy(codec)
-            fields = type(twin).encode(twin, probe, None)
+        self.codec = codec
+        self.rules = StreamStorage(codec, sink_tokens, residual_length, flush)  # its places, never allocated
         # per field: heads, tail, dtype, bytes of one block row
-        self.fields = [(name, v.shape[1], tuple(v.shape[3:]), v.dtype, v[0, :, 0].numel() * v.element_size())
-                       for name, v in fields.items()]
+        self.fields = [(name, h, tail, dt, h * math.prod(tail) * dt.itemsize)
+                       for name, (h, tail, dt) in self.rules.field_layout(heads, head_dim, dtype).items()]
         self.row_bytes = sum(f[-1] for f in self.fields)
-        self.slot_bytes = -(-self.row_bytes // g)  # one token's share of a block row
-        self.stateful = bool(sink_tokens or residual_length or twin.state or twin.observing)
+        self.slot_bytes = -(-self.row_bytes // codec.block_size)  # one token's share of a block row
+        self.stateful = bool(sink_tokens or self.rules.ring_length or codec.state or codec.observing)
 
-    def packed_after(self, after: int) -> int:
-        """Tokens past the sinks that are packed when `after` are held past them (`StreamStorage.split`)."""
-        r = self.ring_length
-        if not r:
-            return after
-        return max(after - r, 0) if self.window else (after // r) * r
+    def packed(self, held: int) -> int:
+        """Tokens past the sinks that are packed when `held` are held."""
+        return self.rules.split(held)[1]
 
     def to_bytes(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
         """Fields `(B, H, n, ...)` -> `(B * n * G, slot_bytes)` uint8, sequence after sequence, each block row spread
@@ -298,7 +289,7 @@ class PackedPageAllocator(_FullAllocator):
     def _append(self, fmt: _StreamFormat, st: _StreamState, x: torch.Tensor) -> int:
         """Take a request's next tokens `x (H, q, D)` into its sinks and window (observing a codec's per-sequence
         statistic on the first past the sinks); returns how many window tokens are to be packed now."""
-        s, codec = fmt.sink_tokens, fmt.codec
+        s, codec = fmt.rules.sink_tokens, fmt.codec
         past = st.held
         st.held += x.shape[1]
         if past < s:
@@ -311,7 +302,7 @@ class PackedPageAllocator(_FullAllocator):
                 codec.observe(x.unsqueeze(0), None)
                 st.state = codec.state
             st.ring = x.clone() if st.ring is None else torch.cat([st.ring, x], dim=1)
-        return fmt.packed_after(st.held - min(st.held, s)) - st.packed
+        return fmt.packed(st.held) - st.packed
 
     def _pack(self, fmt: _StreamFormat, jobs: list, layer_idx: int, cols: slice) -> None:
         """Encode the tokens leaving the requests' windows into their slots: `jobs` of `(request, state, n)`, one

@@ -108,17 +108,7 @@ class StreamStorage:
         """Buffers for `capacity` tokens, zero-filled (the dense read of a pinned capacity attends to every row under a
         mask, and zeros, unlike uninitialized memory, never turn into NaN there). `static_address`: mark them for
         torch.compile's CUDA graphs, which replay over buffers that `update` mutates in place."""
-        # The fields' shapes from encoding one block of zeros (one row, on the CPU's reference path) with a copy of the
-        # codec: the real one may freeze per-sequence state (FP8's dynamic scale) on the first tokens it sees.
-        probe = torch.zeros((1, heads, self.codec.block_size, head_dim), dtype=dtype)
-        extra = {}
-        if getattr(self.codec, "needs_positions", False):
-            extra["positions"] = torch.zeros((1, self.codec.block_size), dtype=torch.long)
-        with kernels.use_backend("torch"):
-            twin = copy.deepcopy(self.codec)
-            fields = type(twin).encode(twin, probe, None, **extra)  # the class's encode: not a wrapper set on the codec
-        # per field: heads (1 for a field a sequence shares across heads: KVQuant's positions), tail shape, dtype
-        self._fields = {k: (v.shape[1], tuple(v.shape[3:]), v.dtype) for k, v in fields.items()}
+        self._fields = self.field_layout(heads, head_dim, dtype)
         mark = mark_static if static_address else (lambda t: t)
         self.capacity, self.rows = capacity, self._rows_for(capacity)
         self.packed = {k: mark(t) for k, t in self._packed_buffers(batch, heads, device, self.rows).items()}
@@ -128,6 +118,19 @@ class StreamStorage:
         if self.ring_length:
             self.ring = mark(torch.zeros((batch, heads, self.ring_length + 1, head_dim), dtype=dtype, device=device))
             self.ring_index = mark(torch.full((self.ring_length + 1,), -1, dtype=torch.long, device=device))
+
+    def field_layout(self, heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[int, tuple, torch.dtype]]:
+        """Per field of the codec: heads (1 for a field a sequence shares across heads: KVQuant's positions), the tail
+        shape of one row, dtype. From encoding one block of zeros (one row, on the CPU's reference path) with a copy of
+        the codec: the real one may freeze per-sequence state (FP8's dynamic scale) on the first tokens it sees."""
+        probe = torch.zeros((1, heads, self.codec.block_size, head_dim), dtype=dtype)
+        extra = {}
+        if getattr(self.codec, "needs_positions", False):
+            extra["positions"] = torch.zeros((1, self.codec.block_size), dtype=torch.long)
+        with kernels.use_backend("torch"):
+            twin = copy.deepcopy(self.codec)
+            fields = type(twin).encode(twin, probe, None, **extra)  # the class's encode: not a wrapper set on the codec
+        return {k: (v.shape[1], tuple(v.shape[3:]), v.dtype) for k, v in fields.items()}
 
     def _packed_buffers(self, batch: int, heads: int, device: torch.device, rows: int) -> dict[str, torch.Tensor]:
         shapes = {k: torch.empty((1, 1, 1, *tail), dtype=dt) for k, (_, tail, dt) in self._fields.items()}
