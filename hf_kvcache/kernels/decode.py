@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (dot, finish_scores, fp8_to, group_dequant, group_planes, mask_scores, place_tile,
-                    plane_scores, planes, planes_dot, planes_into, q_plane, side, softmax_step, static_places)
+                    plane_scores, planes, planes_dot, planes_into, q_plane, row_of, side, softmax_step, static_places)
 
 FMT_FP8_E4M3 = 1
 FMT_FP8_E5M2 = 2
@@ -72,6 +72,7 @@ def _attn_fwd(
     K_WINDOW: tl.constexpr = False, V_WINDOW: tl.constexpr = False, K_ASM: tl.constexpr = "", V_ASM: tl.constexpr = "",
     K_GP: tl.constexpr = False, V_GP: tl.constexpr = False,  # grouped tiles in fp16 by plane (`group_planes`)
     B_COPY: tl.constexpr = False,  # the products' tiles and planes through `opaque`
+    ROW_LENS: tl.constexpr = False,  # STATIC: `LENS` holds one length per batch row (packed pages), not one for all
 ):
     pid_bh = tl.program_id(0)
     k_off = 0
@@ -81,7 +82,7 @@ def _attn_fwd(
         # from the device, so one captured graph serves every step; programs past the filled tiles find empty ranges.
         # tokens held after this step's update; never more than the storage (a compiled step past max_cache_len
         # stores nothing more, see `hf_kvcache.storage`)
-        held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
+        held = tl.minimum(tl.load(LENS + row_of(tl.program_id(0), Hkv, ROW_LENS)), cap_len).to(tl.int32)
         n_sink = tl.minimum(held, SINK_CAP)
         npk, nrk, k_off = static_places(held - n_sink, K_RING, K_WINDOW)
         npv, nrv, v_off = static_places(held - n_sink, V_RING, V_WINDOW)

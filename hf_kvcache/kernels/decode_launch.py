@@ -224,7 +224,7 @@ def packed_attention(
     )
     if static is not None:
         meta.update(STATIC=True, SINK_CAP=static.sink_tokens, K_RING=static.key_ring, V_RING=static.value_ring,
-                    K_WINDOW=static.key_window, V_WINDOW=static.value_window)
+                    K_WINDOW=static.key_window, V_WINDOW=static.value_window, ROW_LENS=static.length.dim() == 1)
     if n_splits:
         decode._attn_fwd[(b * hkv, n_splits, m_tiles)](
             *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=stages

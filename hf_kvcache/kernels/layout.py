@@ -66,7 +66,8 @@ class StreamTensors:
 @dataclass(frozen=True)
 class StaticLayout:
     """How a layer's places split its tokens (`hf_kvcache.storage`), which the kernels derive on the
-    device from `length`, a 0-dim int64 tensor: the tokens held after this step's update (at most `capacity`). The first
+    device from `length`, a 0-dim int64 tensor: the tokens held after this step's update (at most `capacity`), or a
+    `(B,)` one, a length per batch row (packed pages read requests of different lengths in one launch). The first
     `min(length, sink_tokens)` are sinks; of the rest, a stream with `ring = 0` reads all from the packed place; with
     `window` (a FIFO window, every token also packed) the last `min(rest, ring)` from a ring of `ring` rows; without
     (block flush, KIVI's keys) the `rest % ring` newest from the ring's first rows."""

@@ -455,6 +455,15 @@ def finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def row_of(pid_bh, Hkv, ROW_LENS: tl.constexpr):
+    """Which entry of a STATIC launch's `LENS` holds this program's length: its batch row's where every row has its own
+    (`ROW_LENS`, packed pages: requests of different lengths in one launch), else the one length of the batch."""
+    if ROW_LENS:
+        return (pid_bh // Hkv).to(tl.int64)
+    return 0
+
+
+@triton.jit
 def static_places(after, RING: tl.constexpr, WINDOW: tl.constexpr):
     """The storage's split of the `after` tokens held past the sinks: (packed tokens read, residual tokens,
     ring row of the oldest residual token). RING = 0: every token is packed. WINDOW (a FIFO window, every token

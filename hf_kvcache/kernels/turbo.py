@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (centroids, codes_3bit, dot, dot_into, exact_tile, finish_scores, mask_scores, norms,
-                    planes_into, q_plane, softmax_step, static_places, unpack)
+                    planes_into, q_plane, row_of, softmax_step, static_places, unpack)
 
 
 LOOKUP_LOAD = 1
@@ -142,6 +142,7 @@ def _turbo_attn(
     STATIC: tl.constexpr = False, SINK_CAP: tl.constexpr = 0, RING: tl.constexpr = 0, WINDOW: tl.constexpr = False,
     K_PLANES: tl.constexpr = 0, V_PLANES: tl.constexpr = 0, K_ASM_H: tl.constexpr = "",
     V_ASM_H: tl.constexpr = "", B_COPY: tl.constexpr = False,  # the lookups' tiles through `tiles.opaque`
+    ROW_LENS: tl.constexpr = False,  # STATIC: `LENS` holds one length per batch row (packed pages), not one for all
 ):
     """Partial softmax results of one (batch row x kv-head, split, tile of query rows), the body's in the values'
     frame, the tail's in the model's: `Q` the query in the keys' frame (B, Hq, Tq, D) float32 (the body's), `QR` the
@@ -154,7 +155,7 @@ def _turbo_attn(
     most `cap_len`), the residual is a ring of RING rows (`tiles.static_places`), the launch is sized for the capacity
     and programs past the filled tiles find empty ranges, as in `decode._attn_fwd`."""
     if STATIC:
-        held = tl.minimum(tl.load(LENS), cap_len).to(tl.int32)
+        held = tl.minimum(tl.load(LENS + row_of(tl.program_id(0), Hkv, ROW_LENS)), cap_len).to(tl.int32)
         n_sink = tl.minimum(held, SINK_CAP)
         n_packed, _, r_off = static_places(held - n_sink, RING, WINDOW)
         stop = held - n_new

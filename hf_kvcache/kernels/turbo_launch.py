@@ -150,7 +150,8 @@ def turbo_attention(
     else:
         # the counts come from the device (the residuals are rings); the host sizes the launch for the capacity
         n_sink, stop, n_body = 0, keys.n_packed, keys.n_packed
-        ring = dict(STATIC=True, SINK_CAP=static.sink_tokens, RING=static.key_ring, WINDOW=static.key_window)
+        ring = dict(STATIC=True, SINK_CAP=static.sink_tokens, RING=static.key_ring, WINDOW=static.key_window,
+                    ROW_LENS=static.length.dim() == 1)
     dt, prec = _compute_dtype(query)
     pdt = torch.float32 if dt == turbo.tl.float32 else torch.float16
     lookup = turbo.LOOKUP_REGISTERS if pdt == torch.float16 and TUNING["turbo_lookup"] == "registers" else \

@@ -55,3 +55,57 @@ def test_pack_kernel_skips_incomplete_blocks():
     for name in full:
         assert torch.equal(part[name][:, :, [0, 2]], full[name][:, :, [0, 2]])
         assert not part[name][:, :, 1].float().abs().sum()
+
+
+@pytest.mark.parametrize("spec,easy,hard", CASES[:2] + CASES[-1:], ids=[c[0] for c in CASES[:2] + CASES[-1:]])
+def test_one_launch_reads_rows_of_their_own_lengths(spec, easy, hard):
+    """Packed pages (`hf_kvcache.paged`) read requests of different lengths in one launch: `LENS` with a length per
+    batch row. Each row's output equals its own storage's read at its own length (sinks, rings, KIVI's block flush,
+    per-sequence codec state stacked)."""
+    from hf_kvcache.kernels import ops
+    from hf_kvcache.kernels.layout import StaticLayout, StreamTensors
+    from tests.kernels.test_decode import _Model
+
+    if not kernels.interpreting():
+        pytest.skip("the interpreter run; on CUDA, tests/test_paged.py reads packed pages through it")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 64, generator=gen)
+    layers, reads, outs, news = [], [], [], []
+    for held in (5, 38, 71):  # a row still in its sinks and window, one past a KIVI block, one past the window
+        cache = make_cache(spec, _Model(4, 2, 64), **hard, max_cache_len=80)
+        layer = cache.layers[0]
+        layer.fused = True
+        with kernels.use_backend("torch"):
+            layer.update(torch.randn(1, 2, held - 1, 64, generator=gen), torch.randn(1, 2, held - 1, 64, generator=gen))
+            kh, vh = layer.update(torch.randn(1, 2, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen))
+            layer.write_pending()
+        with kernels.use_backend("triton"):
+            read = layer.reads.decode_read(q)
+            assert read is not None
+            outs.append(read.attend(layer.reads.rotate_query(q), kh.new, vh.new, None, 0.125))
+        layers.append(layer)
+        reads.append(read)
+        news.append((kh.new, vh.new))
+
+    def stacked(name):
+        streams = [layer.streams[name] for layer in layers]
+        codec = streams[0].codec
+        codec.state = {k: torch.cat([s.codec.state[k] for s in streams]) for k in streams[0].codec.state}
+        codec.__dict__.pop("_format", None)
+        cat = (lambda ts: None if ts[0] is None else torch.cat(ts))
+        view = streams[0].kernel_view()
+        return StreamTensors(sink=cat([s.sink for s in streams]), fmt=codec.packed_format(), n_packed=view.n_packed,
+                             fields={k: torch.cat([s.packed[k] for s in streams]) for k in streams[0].packed},
+                             residual=cat([s.ring for s in streams]))
+
+    one = reads[0].layout
+    layout = StaticLayout(length=torch.stack([layer.length for layer in layers]), capacity=one.capacity,
+                          sink_tokens=one.sink_tokens, key_ring=one.key_ring, value_ring=one.value_ring,
+                          key_window=one.key_window, value_window=one.value_window)
+    keys, values = stacked("keys"), stacked("values")
+    with kernels.use_backend("triton"):
+        got = ops.static_decode_attention(layers[0].reads.rotate_query(q).expand(3, -1, -1, -1), keys, values,
+                                          torch.cat([k for k, _ in news]), torch.cat([v for _, v in news]), layout,
+                                          exact_new=reads[0].exact_new, attention_mask=None, scaling=0.125)
+    for row, want in enumerate(outs):
+        torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-5)
