@@ -313,6 +313,16 @@ def remove_routing() -> None:
     AttentionInterface.get_interface = _get_interface
 
 
+class SelfReading:
+    """Keys that read themselves: what a cache's `update` returns when it computes the attention itself from its own
+    storage (`hf_kvcache.paged`'s packed pages, whose requests are read by the plan of their batch, not by a mask).
+    The routed attention (`install_routing`) hands the call to `attend(module, query, attention_mask, **kwargs)`,
+    which returns what transformers' attention functions return: `(output (B, T, Hq, D), None)`."""
+
+    def attend(self, module, query: torch.Tensor, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+        raise NotImplementedError
+
+
 def _reading_handles(attention):
     """`attention` (a transformers attention function) with calls whose keys are a `KVHandle` sent to this attention.
     A new closure per lookup rather than a table of them: the lookup runs inside compiled forwards too, and a closure
@@ -324,6 +334,8 @@ def _reading_handles(attention):
         if isinstance(key, KVHandle):
             mask = _routed_mask(module, query, key, attention_mask, kwargs)
             return hf_kvcache_attention(module, query, key, value, mask, *args, **kwargs)
+        if isinstance(key, SelfReading):
+            return key.attend(module, query, attention_mask, *args, **kwargs)
         return attention(module, query, key, value, attention_mask, *args, **kwargs)
 
     return read

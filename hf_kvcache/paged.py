@@ -8,21 +8,25 @@ swaps the allocator of the full-attention layers for `PackedPageAllocator`, whos
 - a page is `page_size` token slots of one layer; a slot is one row of `[key bytes | value bytes]`, each the share of
   one token of the codec's fields (a codec of G-token blocks, KIVI's keys, spreads one block's fields over the G slots
   of its tokens). Sizing counts these bytes, so the same memory fraction holds proportionally more tokens;
-- what a method keeps exact or per sequence lives per request and goes with it (`free_blocks`): sink tokens, the
-  residual window, a codec's per-sequence state (FP8's scale, TurboQuant's channel split). The places follow
-  `StreamStorage`'s split, so a request reads what `generate` with the same preset reads: its history as stored, its
-  new tokens exact;
+- what a method keeps exact or per sequence lives in the request's lane (`paged_places._Lanes`, a row of device
+  tensors per layer and stream, given back by `free_blocks`): sink tokens, the residual window, a codec's
+  per-sequence state (FP8's scale, TurboQuant's channel split). The places follow `StreamStorage`'s split, so a
+  request reads what `generate` with the same preset reads: its history as stored, its new tokens exact;
 - the packed token `i` past the sinks lives in slot `i` of the request's pages (never past its own position, so the
   slot is always allocated);
-- forking copies pages as bytes and the per-request state with them; prefix sharing stays on for a format whose pages
-  are all it stores (no sinks, window or per-sequence state: `int*`, `exact`), and transformers turns it off for the
-  others (their shared pages alone would not be a request's history).
+- forking copies pages as bytes and the lane with them; prefix sharing stays on for a format whose pages are all it
+  stores (no sinks, window or per-sequence state: `int*`, `exact`), and transformers turns it off for the others
+  (their shared pages alone would not be a request's history).
 
-This is the reference read (each request's history dequantized, then the model's own attention), on every device,
-with one encode and one gather-and-decode a layer and stream for the batch's requests of one layout: the paged fused
-kernels are not built yet, so on CUDA it is correct but not the fast path. CB's CUDA graphs, async
-batching, block-table decode and CPU offloading are turned off for it (`PackedBatchingConfig`), and sliding-window
-layers keep transformers' own pages. Everything that depends on transformers' version is in `_compat`.
+A step stores the batch's new tokens with one encode a layer and stream (the tokens leaving windows and the blocks
+completed, planned once a batch on the host: `paged_places._Batch`), and `update` returns a handle
+(`SelfReadingPages`) instead of a dense history: the model's attention, routed to it (`hf_kvcache.attention`), asks the
+allocator for the output. Requests that decode one token are read in one launch of the fused kernels where they run
+(CUDA): each request's packed slots gathered from its pages, its sinks and window from its lane, a length per row
+(`StaticLayout` with a length per batch row). Prefill chunks, and every request on the CPU, are read by the reference:
+the history dequantized, then SDPA. CB's CUDA graphs, async batching, block-table decode and CPU offloading are turned
+off (`PackedBatchingConfig`), and sliding-window layers keep transformers' own pages. Everything that depends on
+transformers' version is in `_compat`.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import _compat, kernels
+from .attention import SelfReading
 from .cache import QuantizedKVCache
+from .kernels.layout import StreamTensors
 from .presets import PRESETS, make_cache, parse_spec
-from .storage import StreamStorage
+from .paged_places import _Batch, _Lanes, _StreamFormat
 
 _parts = _compat.continuous_batching_parts()
 _FullAllocator = _parts.FullAttentionCacheAllocator
@@ -110,81 +117,35 @@ def _allocator_for(cb_config, model_config, attn_type: str, make_default, **kwar
     return PackedPageAllocator(policies=policies, config=model_config, **kwargs)
 
 
-class _StreamFormat:
-    """How one stream (keys or values) of one layer sits in a page slot; where its tokens live is `StreamStorage`'s
-    rule (`rules.split`: sinks, then packed, then the residual window), the same as a `generate` cache's."""
+class SelfReadingPages(SelfReading):
+    """What a packed allocator's `update` gives transformers' paged cache for keys and values: the batch's new tokens
+    are stored; the model's attention (routed here by `hf_kvcache.attention`) asks it for the output, which the
+    allocator reads from the pages (`PackedPageAllocator.attend`). transformers' paged cache reshapes what `update`
+    returns for the attention (`transpose`, `unsqueeze`): those calls give the handle itself."""
 
-    def __init__(self, codec, sink_tokens: int, residual_length: int, flush: str, heads: int, head_dim: int,
-                 dtype: torch.dtype):
-        if getattr(codec, "needs_positions", False):
-            raise ValueError(f"packed pages: {type(codec).__name__} stores pre-RoPE keys, which needs the model's "
-                             "attention patched per request; kvquant-* is not served under continuous batching yet")
-        self.codec = codec
-        self.rules = StreamStorage(codec, sink_tokens, residual_length, flush)  # its places, never allocated
-        # per field: heads, tail, dtype, bytes of one block row
-        self.fields = [(name, h, tail, dt, h * math.prod(tail) * dt.itemsize)
-                       for name, (h, tail, dt) in self.rules.field_layout(heads, head_dim, dtype).items()]
-        self.row_bytes = sum(f[-1] for f in self.fields)
-        self.slot_bytes = -(-self.row_bytes // codec.block_size)  # one token's share of a block row
-        self.stateful = bool(sink_tokens or self.rules.ring_length or codec.state or codec.observing)
+    def __init__(self, allocator: "PackedPageAllocator", layer_idx: int, batch: _Batch, keys: torch.Tensor,
+                 values: torch.Tensor):
+        self.allocator, self.layer_idx, self.batch = allocator, layer_idx, batch
+        self.keys, self.values = keys, values  # (N, H, D) new tokens, keys in the stored frame
 
-    def packed(self, held: int) -> int:
-        """Tokens past the sinks that are packed when `held` are held."""
-        return self.rules.split(held)[1]
+    def transpose(self, *args):
+        return self
 
-    def to_bytes(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Fields `(B, H, n, ...)` -> `(B * n * G, slot_bytes)` uint8, sequence after sequence, each block row spread
-        over its G slots."""
-        rows = []
-        for name, *_ in self.fields:
-            f = fields[name]
-            rows.append(f.transpose(1, 2).reshape(f.shape[0] * f.shape[2], -1).contiguous().view(torch.uint8))
-        flat = torch.cat(rows, dim=1)
-        pad = self.codec.block_size * self.slot_bytes - flat.shape[1]
-        if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
-        return flat.reshape(-1, self.slot_bytes)
+    def unsqueeze(self, *args):
+        return self
 
-    def from_bytes(self, slots: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
-        """`(B * n * G, slot_bytes)` uint8 -> fields `(B, H, n, ...)`."""
-        flat = slots.reshape(-1, self.codec.block_size * self.slot_bytes)
-        n, out, at = flat.shape[0] // batch, {}, 0
-        for name, heads, tail, dtype, nbytes in self.fields:
-            raw = flat[:, at : at + nbytes].contiguous().view(dtype)
-            out[name] = raw.reshape(batch, n, heads, *tail).transpose(1, 2)
-            at += nbytes
-        return out
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
 
-def _stacked(states: list[dict]) -> dict:
-    """Per-sequence codec states (batch axis first, one sequence each) as one state of as many sequences."""
-    return {k: torch.cat([st[k] for st in states]) for k in states[0]} if states and states[0] else {}
-
-
-def _state_key(state: dict) -> tuple:
-    return tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in state.items()))
-
-
-@dataclass
-class _StreamState:
-    """One request's exact tokens and codec state for one stream of one layer."""
-
-    sink: torch.Tensor | None = None  # (H, n, D)
-    ring: torch.Tensor | None = None  # (H, n, D): held past the packed ones
-    packed: int = 0  # tokens past the sinks that are packed (in slots 0 .. packed - 1)
-    held: int = 0
-    state: dict = dataclasses.field(default_factory=dict)
-
-
-def _first(n: int, parts: list) -> list[torch.Tensor]:
-    """The first `n` tokens of the pieces `parts` (each `(H, t, D)` or None), in order, as views."""
-    out = []
-    for part in parts:
-        if part is None or n <= 0:
-            continue
-        out.append(part[:, :n])
-        n -= part.shape[1]
-    return out
+    def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None,
+               softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return self.allocator.attend(self, query, scaling, softcap, s_aux), None
 
 
 class PackedPageAllocator(_FullAllocator):
@@ -217,11 +178,16 @@ class PackedPageAllocator(_FullAllocator):
         # Shared pages are a request's whole history only where nothing lives outside them.
         self.supports_block_sharing = not any(f.stateful for fs in self.formats.values() for f in fs.values())
         self._layer_offset = {idx: i * page_size for i, idx in enumerate(layer_indices)}
-        self._requests: dict[str, dict[int, dict[str, _StreamState]]] = {}
+        self._lanes = {idx: {name: _Lanes(f) for name, f in fs.items()} for idx, fs in self.formats.items()}
+        self._lane_of: dict[str, int] = {}  # request -> its lane
+        self._free_lanes: list[int] = []
+        self._lane_count = 0  # lanes allocated (rows of every `_Lanes` and of `_rows`)
+        self._rows: torch.Tensor | None = None  # (lanes, tokens) the slot row of each request's packed token i
+        self._tables: dict[str, tuple] = {}  # request -> the pages `_rows` was made from
+        self._held: dict[str, int] = {}  # request -> tokens held after its last batch
         self._plan: list[tuple[str, int, int]] = []  # this batch's (request, past, new tokens), in batch order
         self._plan_used = False
-        self._order_of: tuple | None = None  # (plan, its permutation), `_order`
-        self._bases: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (its pages, slot rows), `_slots`
+        self._batch: _Batch | None = None
         self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=page_size,
                                        bytes_per_page=self.slot_bytes * page_size,
                                        allow_block_sharing=allow_block_sharing)
@@ -245,169 +211,270 @@ class PackedPageAllocator(_FullAllocator):
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         super().free_blocks(request_id, no_cache)
-        self._requests.pop(request_id, None)
-        self._bases.pop(request_id, None)
+        lane = self._lane_of.pop(request_id, None)
+        if lane is not None:
+            self._free_lanes.append(lane)
+            for streams in self._lanes.values():
+                for lanes in streams.values():
+                    lanes.seen.discard(lane)
+        self._tables.pop(request_id, None)
+        self._held.pop(request_id, None)
 
     def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int):
         out = super().fork_blocks(source_request_id, dest_request_id, past_length)
-        if source_request_id in self._requests:
-            self._requests[dest_request_id] = copy.deepcopy(self._requests[source_request_id])
+        src = self._lane_of.get(source_request_id)
+        if src is not None:
+            dst = self._new_lane(dest_request_id)
+            for streams in self._lanes.values():
+                for lanes in streams.values():
+                    lanes.copy_lane(src, dst)
+            self._held[dest_request_id] = self._held[source_request_id]
         return out
 
     def held_requests(self) -> list[str]:
         """Requests with per-request state held (a finished or cancelled one is gone)."""
-        return list(self._requests)
+        return list(self._lane_of)
 
-    def _streams(self, request_id: str, layer_idx: int, past: int) -> dict[str, _StreamState]:
-        layers = self._requests.setdefault(request_id, {})
-        streams = layers.get(layer_idx)
-        if streams is None or (past == 0 and streams["keys"].held):  # a new request, or one restarted from scratch
-            streams = layers[layer_idx] = {"keys": _StreamState(), "values": _StreamState()}
-            if past:  # a prefix matched in shared pages: stateless formats only, every token packed
-                if not self.use_block_sharing:
-                    raise RuntimeError(f"packed pages: request {request_id!r} starts at token {past} with no state")
-                for st in streams.values():
-                    st.packed = st.held = past
-        elif streams["keys"].held != past:
-            raise RuntimeError(f"packed pages: request {request_id!r} holds {streams['keys'].held} tokens, the batch "
-                               f"says {past}")
-        return streams
+    def _new_lane(self, request_id: str) -> int:
+        if not self._free_lanes:
+            count = max(16, 2 * self._lane_count)
+            device = self.cache_tensor.device
+            for streams in self._lanes.values():
+                for lanes in streams.values():
+                    lanes.grow(count, self.num_key_value_heads, self.head_dim, self.cache_dtype, device)
+            self._grow_rows(count, 0 if self._rows is None else self._rows.shape[1])
+            self._free_lanes = list(range(count - 1, self._lane_count - 1, -1))
+            self._lane_count = count
+        lane = self._lane_of[request_id] = self._free_lanes.pop()
+        return lane
 
-    def _slots(self, request_id: str) -> torch.Tensor:
-        """Slot rows of a request's token positions in the first layer (a layer adds its offset), on the cache's
-        device: rebuilt only when the request has gained a page, so a step copies no index to the device."""
-        table = self.block_table[request_id]
-        held = self._bases.get(request_id)
-        if held is None or held[0] != len(table):
-            p = self.tokens_per_page
-            idx = torch.arange(len(table) * p)
-            rows = torch.tensor(table, dtype=torch.long)[idx // p] * self.block_physical_stride + idx % p
-            held = self._bases[request_id] = (len(table), rows.to(self.cache_tensor.device))
-        return held[1]
+    def _grow_rows(self, lanes: int, tokens: int) -> None:
+        # Past a request's pages, a row reads the trash sector (never written); a write never goes there
+        rows = torch.full((lanes, tokens), self.read_trash_index, dtype=torch.long, device=self.cache_tensor.device)
+        if self._rows is not None:
+            rows[: self._rows.shape[0], : self._rows.shape[1]] = self._rows
+        self._rows = rows
 
-    # --- one stream of one layer, every request of the batch
-    def _append(self, fmt: _StreamFormat, st: _StreamState, x: torch.Tensor) -> int:
-        """Take a request's next tokens `x (H, q, D)` into its sinks and window (observing a codec's per-sequence
-        statistic on the first past the sinks); returns how many window tokens are to be packed now."""
-        s, codec = fmt.rules.sink_tokens, fmt.codec
-        past = st.held
-        st.held += x.shape[1]
-        if past < s:
-            k = min(s - past, x.shape[1])
-            st.sink = x[:, :k].clone() if st.sink is None else torch.cat([st.sink, x[:, :k]], dim=1)
-            x = x[:, k:]
-        if x.shape[1]:
-            codec.state = st.state
-            if codec.observing:
-                codec.observe(x.unsqueeze(0), None)
-                st.state = codec.state
-            st.ring = x.clone() if st.ring is None else torch.cat([st.ring, x], dim=1)
-        return fmt.packed(st.held) - st.packed
+    def _sync_rows(self, request_id: str, lane: int) -> None:
+        """A request's slot rows on the device, made again only when its pages changed (a new page, or transformers
+        swapping a page for an identical shared one), so a step copies no index to the device."""
+        table = tuple(self.block_table.get(request_id, ()))
+        if self._tables.get(request_id) == table:
+            return
+        p = self.tokens_per_page
+        if len(table) * p > self._rows.shape[1]:
+            self._grow_rows(self._rows.shape[0], max(len(table) * p, 2 * self._rows.shape[1]))
+        idx = torch.arange(len(table) * p)
+        rows = torch.tensor(table, dtype=torch.long)[idx // p] * self.block_physical_stride + idx % p
+        self._rows[lane, : rows.numel()] = rows.to(self._rows.device)
+        self._tables[request_id] = table
 
-    def _pack(self, fmt: _StreamFormat, jobs: list, layer_idx: int, cols: slice) -> None:
-        """Encode the tokens leaving the requests' windows into their slots: `jobs` of `(request, state, n)`, one
-        encode for the requests that pack as many tokens with states of one layout (a decode step: all of them)."""
-        groups: dict[tuple, list] = {}
-        for job in jobs:
-            groups.setdefault((job[2], _state_key(job[1].state)), []).append(job)
-        codec = fmt.codec
-        for (n, _), group in groups.items():
-            codec.state = _stacked([st.state for _, st, _ in group])
-            fields = codec.encode(torch.stack([st.ring[:, :n] for _, st, _ in group]), None)
-            rows = torch.cat([self._slots(rid)[st.packed : st.packed + n] for rid, st, _ in group])
-            self.cache_tensor[:, cols].index_copy_(0, rows + self._layer_offset[layer_idx], fmt.to_bytes(fields))
-            for r, (_, st, _) in enumerate(group):
-                st.ring, st.packed = st.ring[:, n:], st.packed + n
-                st.state = {k: v[r : r + 1] for k, v in codec.state.items()}
+    def _prepare(self, plan: list, device: torch.device) -> _Batch:
+        """The batch's lanes (a new request gets one, a request started again from scratch forgets its state), checked
+        against what each request holds, and its slot rows in step: once a forward, for every layer."""
+        lanes = []
+        for rid, past, q in plan:
+            lane = self._lane_of.get(rid)
+            if lane is None or past == 0:
+                if lane is None:
+                    lane = self._new_lane(rid)
+                for streams in self._lanes.values():
+                    for stream in streams.values():
+                        stream.seen.discard(lane)
+                if past and not self.use_block_sharing:  # a prefix matched in shared pages: stateless formats only
+                    raise RuntimeError(f"packed pages: request {rid!r} starts at token {past} with no state")
+            elif self._held.get(rid) != past:
+                raise RuntimeError(f"packed pages: request {rid!r} holds {self._held.get(rid)} tokens, the batch "
+                                   f"says {past}")
+            self._held[rid] = past + q
+            self._sync_rows(rid, lane)
+            lanes.append(lane)
+        return _Batch(plan, lanes, device)
 
-    def _packed_dense(self, fmt: _StreamFormat, readers: list, layer_idx: int, cols: slice,
-                      dtype: torch.dtype) -> dict:
-        """Each request's packed tokens dequantized, `{request: (H, packed, D)}`: one gather and one decode for
-        requests whose states share a layout and whose lengths are close (rows padded to the group's longest with the
-        read trash row, zeros, at most a quarter of those read)."""
-        layouts: dict[tuple, list] = {}
-        for job in sorted(readers, key=lambda job: -job[1].packed):
-            if job[1].packed:
-                layouts.setdefault(_state_key(job[1].state), []).append(job)
-        groups = []  # longest first, cut where padding would pass a quarter of the rows read
-        for jobs in layouts.values():
-            group, held = [], 0
-            for job in jobs:
-                if group and (len(group) + 1) * group[0][1].packed > 1.25 * (held + job[1].packed):
-                    groups.append(group)
-                    group, held = [], 0
-                group.append(job)
-                held += job[1].packed
-            groups.append(group)
-        out = {}
-        for group in groups:
-            offset = self._layer_offset[layer_idx]
-            rows = torch.nn.utils.rnn.pad_sequence([self._slots(rid)[: st.packed] for rid, st in group],
-                                                   batch_first=True, padding_value=self.read_trash_index - offset)
-            slots = self.cache_tensor[:, cols].index_select(0, rows.reshape(-1) + offset)
-            fmt.codec.state = _stacked([st.state for _, st in group])
-            dense = fmt.codec.decode(fmt.from_bytes(slots, len(group)), dtype)  # (R, H, longest, D)
-            for r, (rid, st) in enumerate(group):
-                out[rid] = dense[r, :, : st.packed]
+    # --- the forward's update: store the new tokens
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
+               write_index: torch.Tensor):
+        """Store each request's new tokens `(q, H, D)` (in batch order) in its pages and lanes; returns the handle the
+        attention reads the batch through (`SelfReadingPages`), for keys and values alike. Encoding runs once a
+        layer and stream for the whole batch (every token that leaves a window, every block completed)."""
+        plan = self._plan
+        if not self._plan_used or self._batch is None or self._batch.plan is not plan:
+            if sum(q for _, _, q in plan) != key_states.shape[0]:
+                raise RuntimeError(f"packed pages: the batch has {key_states.shape[0]} new tokens, its requests "
+                                   f"{sum(q for _, _, q in plan)} (padded batches, CUDA graphs or async batching "
+                                   "are not supported with packed pages)")
+            self._plan_used = True  # the next batch's first request starts a new plan, whatever happens here
+            self._batch = self._prepare(plan, key_states.device)
+        batch = self._batch
+        rotation = self.policies[layer_idx].key_rotation
+        if rotation is not None:  # stored rotated; the attention reads them so (the query rotated too)
+            key_states = rotation.apply(key_states.transpose(0, 1).unsqueeze(0))[0].transpose(0, 1)
+        for name, x in (("keys", key_states), ("values", value_states)):
+            self._store(self._lanes[layer_idx][name], batch, x, layer_idx, name)
+        handle = SelfReadingPages(self, layer_idx, batch, key_states, value_states)
+        return handle, handle
+
+    def _cols(self, layer_idx: int, name: str) -> slice:
+        fmts = self.formats[layer_idx]
+        if name == "keys":
+            return slice(0, fmts["keys"].slot_bytes)
+        return slice(self.key_bytes, self.key_bytes + fmts["values"].slot_bytes)
+
+    def _store(self, lanes: _Lanes, batch: _Batch, x: torch.Tensor, layer_idx: int, name: str) -> None:
+        fmt, codec = lanes.fmt, lanes.fmt.codec
+        w = batch.writes(fmt.rules)
+        if w.sink is not None:
+            tok, lane, pos = w.sink
+            lanes.sink.index_put_((lane, pos), x.index_select(0, tok))
+        for lane, lo, hi in w.observe:  # a request's first write past its sinks sets its codec state
+            if lane not in lanes.seen:
+                codec.state = {}
+                if codec.observing:
+                    codec.observe(x[lo:hi].transpose(0, 1).unsqueeze(0), None)
+                lanes.save_state(lane, codec.state, self._lane_count)
+        if w.pack is not None:
+            lane, index, from_x, tok, ring_row = w.pack
+            src = x.index_select(0, tok)
+            if lanes.ring is not None:  # tokens held before this write come from the ring, read before it is written
+                held = lanes.ring.view(-1, *lanes.ring.shape[2:]).index_select(0, ring_row)
+                src = torch.where(from_x[:, None, None], src, held)
+            g = codec.block_size
+            tokens = src.view(-1, g, *src.shape[1:]).transpose(1, 2)  # (blocks, H, G, D)
+            codec.state = lanes.states(w.pack_lanes)
+            raw = fmt.to_bytes(codec.encode(tokens, None))  # (tokens, slot bytes)
+            rows = self._rows[lane, index] + self._layer_offset[layer_idx]
+            self.cache_tensor[:, self._cols(layer_idx, name)].index_copy_(0, rows, raw)
+        if w.ring is not None:
+            tok, flat = w.ring
+            lanes.ring.view(-1, *lanes.ring.shape[2:]).index_copy_(0, flat, x.index_select(0, tok))
+
+    # --- the attention: read the pages
+    def attend(self, handle: SelfReadingPages, query: torch.Tensor, scaling: float, softcap: float | None,
+               s_aux: torch.Tensor | None) -> torch.Tensor:
+        """The attention of the batch's queries `(1, Hq, N, D)` over each request's history as stored and its new
+        tokens exact -> `(1, N, Hq, D)`: one fused launch for the requests that decode a token where the kernels run
+        (CUDA), the reference for the others (prefill chunks, the CPU)."""
+        batch, layer_idx = handle.batch, handle.layer_idx
+        out = torch.empty((1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype, device=query.device)
+        fused = set()
+        if batch.decode and kernels.use_kernels(query.device):
+            fused = self._attend_fused(handle, query, scaling, softcap, s_aux, out)
+        for b, (_, past, q) in enumerate(batch.plan):
+            if b not in fused:
+                start = batch.starts[b]
+                out[0, start : start + q] = self._attend_reference(handle, b, query[0, :, start : start + q],
+                                                                   scaling, softcap, s_aux)
         return out
 
-    # --- the forward's update
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
-               write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store each request's new tokens `(q, H, D)` in its pages and return, request after request in batch order,
-        its history as stored followed by its new tokens exact: `(sum of past + q, H, D)`. Encoding and decoding run
-        once for the batch's requests of one layout (per-request work is bookkeeping and the windows' appends)."""
-        self._plan_used = True  # the next batch's first request starts a new plan, whatever happens here
-        plan = self._plan
-        if sum(q for _, _, q in plan) != key_states.shape[0]:
-            raise RuntimeError(f"packed pages: the batch has {key_states.shape[0]} new tokens, its requests "
-                               f"{sum(q for _, _, q in plan)} (padded batches, CUDA graphs or async batching "
-                               "are not supported with packed pages)")
-        fmts, rotation = self.formats[layer_idx], self.policies[layer_idx].key_rotation
-        cols = {"keys": slice(0, fmts["keys"].slot_bytes),
-                "values": slice(self.key_bytes, self.key_bytes + fmts["values"].slot_bytes)}
-        streams = [self._streams(rid, layer_idx, past) for rid, past, _ in plan]
-        new = {"keys": key_states.transpose(0, 1), "values": value_states.transpose(0, 1)}  # (H, sum q, D)
-        out = {}
-        with kernels.use_backend("torch"):
-            for name in ("keys", "values"):
-                fmt, x = fmts[name], new[name]
-                if name == "keys" and rotation is not None:  # stored rotated; the attention gets them back
-                    x = rotation.apply(x.unsqueeze(0))[0]
-                jobs, start = [], 0
-                for (rid, _, q), st in zip(plan, streams):
-                    n = self._append(fmt, st[name], x[:, start : start + q])
-                    start += q
-                    if n > 0:
-                        jobs.append((rid, st[name], n))
-                self._pack(fmt, jobs, layer_idx, cols[name])
-                readers = [(rid, st[name]) for (rid, past, _), st in zip(plan, streams) if past]
-                if not readers:  # first prefills only: each attends to its own tokens, exact
-                    out[name] = new[name]
-                    continue
-                packed = self._packed_dense(fmt, readers, layer_idx, cols[name], key_states.dtype)
-                pieces = []
-                for (rid, past, _), st in zip(plan, streams):
-                    if past:
-                        pieces += _first(past, [st[name].sink, packed.get(rid), st[name].ring])
-                history = torch.cat(pieces, dim=1)  # (H, sum past, D), stored frame
-                if name == "keys" and rotation is not None:
-                    history = rotation.apply(history.unsqueeze(0), inverse=True)[0]
-                out[name] = torch.cat([history, new[name]], dim=1).index_select(1, self._order(plan, x.device))
-        return out["keys"].transpose(0, 1), out["values"].transpose(0, 1)
+    def _attend_fused(self, handle: SelfReadingPages, query: torch.Tensor, scaling: float, softcap, s_aux,
+                      out: torch.Tensor) -> set:
+        """The decode rows in one launch of the fused kernels (lengths per row, `StaticLayout`), reading each
+        request's packed slots gathered from its pages, its sinks and window from its lane; the rows done (none where
+        no kernel reads this layout)."""
+        from .kernels import ops
+        from .kernels.layout import StaticLayout
 
-    def _order(self, plan: list, device: torch.device) -> torch.Tensor:
-        """Where each request's history and new tokens sit in `cat([histories], [new tokens])`: the permutation to
-        `[history 0, new 0, history 1, new 1, ...]`, computed once a batch."""
-        if self._order_of is not None and self._order_of[0] is plan:
-            return self._order_of[1]
-        total_past = sum(past for _, past, _ in plan)
-        order, h, q0 = [], 0, total_past
-        for _, past, q in plan:
-            order += list(range(h, h + past)) + list(range(q0, q0 + q))
-            h, q0 = h + past, q0 + q
-        self._order_of = (plan, torch.tensor(order, dtype=torch.long, device=device))
-        return self._order_of[1]
+        batch, layer_idx = handle.batch, handle.layer_idx
+        lanes = self._lanes[layer_idx]
+        tokens = batch.decode_tokens
+        q = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2)  # (B, Hq, 1, D)
+        rotation = self.policies[layer_idx].key_rotation
+        if rotation is not None:
+            q = rotation.apply(q)
+        views = {name: self._kernel_view(lanes[name], batch, layer_idx, name) for name in ("keys", "values")}
+        if ops.supports(views["keys"], views["values"], q, static=True) is not None:
+            return set()
+        k_rules, v_rules = lanes["keys"].fmt.rules, lanes["values"].fmt.rules
+        layout = StaticLayout(length=batch.decode_held, capacity=max(batch.plan[b][1] + 1 for b in batch.decode),
+                              sink_tokens=k_rules.sink_tokens, key_ring=k_rules.ring_length,
+                              value_ring=v_rules.ring_length, key_window=k_rules.window, value_window=v_rules.window)
+        k_new = handle.keys.index_select(0, tokens).unsqueeze(2)
+        v_new = handle.values.index_select(0, tokens).unsqueeze(2)
+        o = ops.static_decode_attention(q, views["keys"], views["values"], k_new, v_new, layout, exact_new=True,
+                                        attention_mask=None, scaling=scaling, softcap=softcap, s_aux=s_aux)
+        out[0].index_copy_(0, tokens, o[:, 0])
+        return set(batch.decode)
+
+    def _kernel_view(self, lanes: _Lanes, batch: _Batch, layer_idx: int, name: str) -> StreamTensors:
+        """One stream of the decode rows as the kernels read it: the packed slots of each request gathered from its
+        pages into `(B, H, T, ...)` fields (T the most any of them has packed, rounded up), sinks and ring from the
+        lanes, the codec's format for their stacked states."""
+        fmt, codec = lanes.fmt, lanes.fmt.codec
+        w = batch.writes(fmt.rules)
+        g = codec.block_size
+        align = math.lcm(16, g)
+        longest = max(w.reads[b][1] for b in batch.decode)
+        t = max(-(-longest // align) * align, align)
+        if t > self._rows.shape[1]:
+            self._grow_rows(self._rows.shape[0], t)
+        rows = self._rows.index_select(0, batch.decode_lanes)[:, :t] + self._layer_offset[layer_idx]
+        raw = self.cache_tensor[:, self._cols(layer_idx, name)].index_select(0, rows.reshape(-1))
+        # row-major copies (`contiguous` keeps a size-1 axis's odd stride, which KIVI's key layout check refuses)
+        fields = {k: torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)
+                  for k, v in fmt.from_bytes(raw, len(batch.decode)).items()}
+        codec.state = lanes.states(batch.decode_lanes)
+        lane_rows = (lambda t: None if t is None else t.index_select(0, batch.decode_lanes).transpose(1, 2))
+        return StreamTensors(sink=lane_rows(lanes.sink), fields=fields, fmt=codec.packed_format(), n_packed=t,
+                             residual=lane_rows(lanes.ring))
+
+    def _history(self, lanes: _Lanes, batch: _Batch, b: int, layer_idx: int, name: str) -> torch.Tensor:
+        """Request b's tokens held before this write as stored, dequantized: `(H, past, D)`."""
+        fmt, codec = lanes.fmt, lanes.fmt.codec
+        past = batch.plan[b][1]
+        lane = batch.lanes[b]
+        n_sink, packed, n_res, _ = batch.writes(fmt.rules).reads[b]
+        parts = []
+        if n_sink:
+            parts.append(lanes.sink[lane, :n_sink])
+        if packed and past > n_sink:
+            rows = self._rows[lane, :packed] + self._layer_offset[layer_idx]
+            raw = self.cache_tensor[:, self._cols(layer_idx, name)].index_select(0, rows)
+            codec.state = lanes.states(torch.tensor([lane], device=raw.device))
+            parts.append(codec.decode(fmt.from_bytes(raw, 1), self.cache_dtype)[0].transpose(0, 1))
+        if n_res and past > n_sink + packed:
+            r = fmt.rules.ring_length
+            ring_rows = torch.arange(packed, packed + n_res, device=lanes.ring.device) % r
+            parts.append(lanes.ring[lane].index_select(0, ring_rows))
+        return torch.cat(parts)[:past].transpose(0, 1)
+
+    def _attend_reference(self, handle: SelfReadingPages, b: int, query: torch.Tensor, scaling: float, softcap,
+                          s_aux) -> torch.Tensor:
+        """Request b's queries `(Hq, q, D)` over its history dequantized and its new tokens exact -> `(q, Hq, D)`."""
+        batch, layer_idx = handle.batch, handle.layer_idx
+        past, q = batch.plan[b][1], batch.plan[b][2]
+        start = batch.starts[b]
+        kv = []
+        for name, new in (("keys", handle.keys), ("values", handle.values)):
+            mine = new[start : start + q].transpose(0, 1)  # (H, q, D)
+            if past:
+                mine = torch.cat([self._history(self._lanes[layer_idx][name], batch, b, layer_idx, name), mine], 1)
+            kv.append(mine)
+        k, v = kv
+        rotation = self.policies[layer_idx].key_rotation
+        if rotation is not None:
+            k = rotation.apply(k.unsqueeze(0), inverse=True)[0]
+        return _attention(query, k, v, past, scaling, softcap, s_aux).transpose(0, 1)
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("packed pages are read by index (max_blocks_per_request=0)")
+
+
+def _attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scaling: float, softcap,
+               s_aux) -> torch.Tensor:
+    """`query (Hq, q, D)` at positions past.. over `k, v (H, past + q, D)`, causal -> `(Hq, q, D)`: SDPA, or the
+    plain softmax in fp32 where the model caps its logits or adds attention sinks (`s_aux`)."""
+    hq, q, _ = query.shape
+    group = hq // k.shape[0]
+    allowed = torch.arange(k.shape[1], device=k.device)[None, :] <= past + torch.arange(q, device=k.device)[:, None]
+    if softcap is None and s_aux is None:
+        return F.scaled_dot_product_attention(query.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=allowed,
+                                              scale=scaling, enable_gqa=group > 1)[0]
+    k, v = k.repeat_interleave(group, 0).float(), v.repeat_interleave(group, 0).float()
+    scores = torch.einsum("hqd,hkd->hqk", query.float(), k) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if s_aux is not None:  # one extra logit a head, attended by nothing
+        scores = torch.cat([scores, s_aux.float().reshape(hq, 1, 1).expand(hq, q, 1)], dim=-1)
+    p = scores.softmax(-1)[..., : k.shape[1]]
+    return torch.einsum("hqk,hkd->hqd", p, v).to(query.dtype)

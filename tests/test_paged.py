@@ -13,7 +13,7 @@ import transformers
 from transformers import GenerationConfig
 
 from hf_kvcache import PRESETS, _compat, make_cache
-from tests.helpers.methods import METHODS
+from tests.helpers.methods import METHODS, TURBOQUANT_KERNEL
 from tests.helpers.tiny_models import FIRST_TOKEN_ID, tiny_model
 
 try:
@@ -350,12 +350,46 @@ def test_serving_bench_counts_what_it_ran():
 
 
 @needs_seam
+@pytest.mark.parametrize("spec, hard, tiny", [
+    ("fp8-e4m3", METHODS[0][2], "qwen2"),  # sinks and a FIFO window, per-request scale
+    ("kivi-2", {}, "qwen3"),  # KIVI's key blocks flushed by windows, values in a FIFO window (head_dim 128)
+    (TURBOQUANT_KERNEL[0], TURBOQUANT_KERNEL[2], "qwen2"),  # per-request channel orders, sinks, a window
+])
+def test_fused_decode_reads_the_pages_as_the_reference(spec, hard, tiny, monkeypatch):
+    """The decode rows of a batch read through the fused kernels in one launch (Triton's interpreter here; on CUDA
+    the same launch): each request's packed slots gathered from its pages, its sinks and window from its lane, a length
+    per row. Greedy tokens equal the reference read's, and the kernels served every decode row."""
+    from hf_kvcache import kernels, paged
+
+    if not kernels.interpreting():
+        pytest.skip("the interpreter run; on CUDA, test_cuda_bf16_matches_generate reads through the kernels")
+    served = []  # (decode rows, rows the kernels read) of each fused read
+    fused = paged.PackedPageAllocator._attend_fused
+
+    def recorded(self, handle, *args):
+        done = fused(self, handle, *args)
+        served.append((len(handle.batch.decode), len(done)))
+        return done
+
+    monkeypatch.setattr(paged.PackedPageAllocator, "_attend_fused", recorded)
+    model = tiny_model(tiny)
+    prompts = _prompts(3, seed=6)
+    with kernels.use_backend("torch"):
+        reference = _generate_batch(model, prompts, _config(make_cache(spec, model, **hard)), new=4)
+    assert not served
+    with kernels.use_backend("triton"):
+        got = _generate_batch(model, prompts, _config(make_cache(spec, model, **hard)), new=4)
+    assert got == reference
+    assert served and all(rows == done for rows, done in served), f"decode rows not read by the kernels: {served}"
+
+
+@needs_seam
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spec", ["fp8-e4m3", "int4-g32", "kivi-2", "turboquant-4", "turboquant-3"])
 def test_cuda_bf16_matches_generate(spec, allocators):
-    """On CUDA in bf16, packed pages (the reference read) against `generate` through the fused kernels: the same
-    tokens, or parting at a bf16 near tie."""
+    """On CUDA in bf16, packed pages (decode rows through the fused kernels over the pages, prefill chunks by the
+    reference) against `generate` through the fused kernels: the same tokens, or parting at a bf16 near tie."""
     model = tiny_model("qwen3").to("cuda", torch.bfloat16)
     prompts = _prompts(seed=2)
     got = _generate_batch(model, prompts, _config(spec))
