@@ -44,7 +44,7 @@ from .attention import SelfReading
 from .cache import QuantizedKVCache
 from .kernels.layout import StreamTensors
 from .presets import PRESETS, make_cache, parse_spec
-from .paged_places import _Batch, _Lanes, _StreamFormat
+from .paged_places import _Batch, _Lanes, _Rows, _StreamFormat
 
 _parts = _compat.continuous_batching_parts()
 _FullAllocator = _parts.FullAttentionCacheAllocator
@@ -352,13 +352,15 @@ class PackedPageAllocator(_FullAllocator):
     def attend(self, handle: SelfReadingPages, query: torch.Tensor, scaling: float, softcap: float | None,
                s_aux: torch.Tensor | None) -> torch.Tensor:
         """The attention of the batch's queries `(1, Hq, N, D)` over each request's history as stored and its new
-        tokens exact -> `(1, N, Hq, D)`: one fused launch for the requests that decode a token where the kernels run
-        (CUDA), the reference for the others (prefill chunks, the CPU)."""
-        batch, layer_idx = handle.batch, handle.layer_idx
+        tokens exact -> `(1, N, Hq, D)`. Where the kernels run (CUDA): the requests that decode a token in one fused
+        launch, each chunk of prompt over a history in its own; the reference for the rest (a first chunk, which
+        attends to itself alone; every request on the CPU, and any layout no kernel reads)."""
+        batch = handle.batch
         out = torch.empty((1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype, device=query.device)
         fused = set()
-        if batch.decode and kernels.use_kernels(query.device):
-            fused = self._attend_fused(handle, query, scaling, softcap, s_aux, out)
+        if kernels.use_kernels(query.device):
+            for group in batch.groups():
+                fused.update(self._attend_fused(handle, group, query, scaling, softcap, s_aux, out))
         for b, (_, past, q) in enumerate(batch.plan):
             if b not in fused:
                 start = batch.starts[b]
@@ -366,54 +368,54 @@ class PackedPageAllocator(_FullAllocator):
                                                                    scaling, softcap, s_aux)
         return out
 
-    def _attend_fused(self, handle: SelfReadingPages, query: torch.Tensor, scaling: float, softcap, s_aux,
-                      out: torch.Tensor) -> set:
-        """The decode rows in one launch of the fused kernels (lengths per row, `StaticLayout`), reading each
-        request's packed slots gathered from its pages, its sinks and window from its lane; the rows done (none where
-        no kernel reads this layout)."""
+    def _attend_fused(self, handle: SelfReadingPages, group: _Rows, query: torch.Tensor, scaling: float, softcap,
+                      s_aux, out: torch.Tensor) -> list[int]:
+        """The requests of `group` in one launch of the fused kernels (a length per row, `StaticLayout`), reading each
+        request's packed slots gathered from its pages, its sinks and window from its lane, its new tokens exact; the
+        rows done (none where no kernel reads this layout)."""
         from .kernels import ops
         from .kernels.layout import StaticLayout
 
-        batch, layer_idx = handle.batch, handle.layer_idx
+        layer_idx = handle.layer_idx
         lanes = self._lanes[layer_idx]
-        tokens = batch.decode_tokens
-        q = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2)  # (B, Hq, 1, D)
+        b, q = len(group.rows), group.q
+        hq, d = query.shape[1], query.shape[3]
+        tokens = group.tokens
+        queries = query[0].index_select(1, tokens).view(hq, b, q, d).transpose(0, 1)  # (B, Hq, q, D)
         rotation = self.policies[layer_idx].key_rotation
         if rotation is not None:
-            q = rotation.apply(q)
-        views = {name: self._kernel_view(lanes[name], batch, layer_idx, name) for name in ("keys", "values")}
-        if ops.supports(views["keys"], views["values"], q, static=True) is not None:
-            return set()
+            queries = rotation.apply(queries)
+        views = {name: self._kernel_view(lanes[name], handle.batch, group, layer_idx, name)
+                 for name in ("keys", "values")}
+        if ops.supports(views["keys"], views["values"], queries, static=True) is not None:
+            return []
         k_rules, v_rules = lanes["keys"].fmt.rules, lanes["values"].fmt.rules
-        layout = StaticLayout(length=batch.decode_held, capacity=max(batch.plan[b][1] + 1 for b in batch.decode),
-                              sink_tokens=k_rules.sink_tokens, key_ring=k_rules.ring_length,
-                              value_ring=v_rules.ring_length, key_window=k_rules.window, value_window=v_rules.window)
-        k_new = handle.keys.index_select(0, tokens).unsqueeze(2)
-        v_new = handle.values.index_select(0, tokens).unsqueeze(2)
-        o = ops.static_decode_attention(q, views["keys"], views["values"], k_new, v_new, layout, exact_new=True,
+        layout = StaticLayout(length=group.held, capacity=group.held_most, sink_tokens=k_rules.sink_tokens,
+                              key_ring=k_rules.ring_length, value_ring=v_rules.ring_length,
+                              key_window=k_rules.window, value_window=v_rules.window)
+        new = [x.index_select(0, tokens).view(b, q, *x.shape[1:]).transpose(1, 2) for x in (handle.keys, handle.values)]
+        o = ops.static_decode_attention(queries, views["keys"], views["values"], *new, layout, exact_new=True,
                                         attention_mask=None, scaling=scaling, softcap=softcap, s_aux=s_aux)
-        out[0].index_copy_(0, tokens, o[:, 0])
-        return set(batch.decode)
+        out[0].index_copy_(0, tokens, o.reshape(b * q, hq, d))
+        return group.rows
 
-    def _kernel_view(self, lanes: _Lanes, batch: _Batch, layer_idx: int, name: str) -> StreamTensors:
-        """One stream of the decode rows as the kernels read it: the packed slots of each request gathered from its
-        pages into `(B, H, T, ...)` fields (T the most any of them has packed, rounded up), sinks and ring from the
-        lanes, the codec's format for their stacked states."""
+    def _kernel_view(self, lanes: _Lanes, batch: _Batch, group: _Rows, layer_idx: int, name: str) -> StreamTensors:
+        """One stream of `group`'s requests as the kernels read it: the packed slots of each gathered from its pages
+        into `(B, H, T, ...)` fields (T the most any of them has packed, rounded up), sinks and ring from the lanes,
+        the codec's format for their stacked states."""
         fmt, codec = lanes.fmt, lanes.fmt.codec
-        w = batch.writes(fmt.rules)
-        g = codec.block_size
-        align = math.lcm(16, g)
-        longest = max(w.reads[b][1] for b in batch.decode)
-        t = max(-(-longest // align) * align, align)
+        reads = batch.writes(fmt.rules).reads
+        align = math.lcm(16, codec.block_size)
+        t = max(-(-max(reads[b][1] for b in group.rows) // align) * align, align)
         if t > self._rows.shape[1]:
             self._grow_rows(self._rows.shape[0], t)
-        rows = self._rows.index_select(0, batch.decode_lanes)[:, :t] + self._layer_offset[layer_idx]
+        rows = self._rows.index_select(0, group.lanes)[:, :t] + self._layer_offset[layer_idx]
         raw = self.cache_tensor[:, self._cols(layer_idx, name)].index_select(0, rows.reshape(-1))
         # row-major copies (`contiguous` keeps a size-1 axis's odd stride, which KIVI's key layout check refuses)
         fields = {k: torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)
-                  for k, v in fmt.from_bytes(raw, len(batch.decode)).items()}
-        codec.state = lanes.states(batch.decode_lanes)
-        lane_rows = (lambda t: None if t is None else t.index_select(0, batch.decode_lanes).transpose(1, 2))
+                  for k, v in fmt.from_bytes(raw, len(group.rows)).items()}
+        codec.state = lanes.states(group.lanes)
+        lane_rows = (lambda x: None if x is None else x.index_select(0, group.lanes).transpose(1, 2))
         return StreamTensors(sink=lane_rows(lanes.sink), fields=fields, fmt=codec.packed_format(), n_packed=t,
                              residual=lane_rows(lanes.ring))
 

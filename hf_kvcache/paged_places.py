@@ -110,8 +110,8 @@ class _Writes:
     """Where one batch's new tokens go for one stream layout (host lists made device tensors once a batch, shared by
     every layer of that layout): `sink` rows `(token, lane, position)`, `ring` rows `(token, flat row lane * R + row)`,
     and the tokens to pack in encode order `(lane, packed index, from this write?, token, flat ring row)`, with the
-    lane of each encoded block; `observe`: `(lane, first token, end)` of each request whose write reaches past its
-    sinks; `reads`: per request, its split after the write."""
+    lane of each encoded block; `observe`: `(lane, first token past the sinks, end)` of each request whose write is
+    its first to reach past its sinks; `reads`: per request, its split after the write (`StreamStorage.split`)."""
 
     sink: tuple | None
     ring: tuple | None
@@ -128,6 +128,22 @@ def _tensors(device: torch.device, *columns: list) -> tuple[torch.Tensor, ...] |
                  for c in columns)
 
 
+class _Rows:
+    """Requests of a batch read in one launch, each with as many new tokens `q`: `rows` (their indices in the batch),
+    `tokens (B * q,)` their new tokens' places in the batch, `lanes (B,)`, `held (B,)` the tokens each holds after
+    this step."""
+
+    def __init__(self, batch: "_Batch", rows: list[int]):
+        self.rows = rows
+        self.q = batch.plan[rows[0]][2]
+        device = batch.device
+        self.tokens = torch.tensor([batch.starts[b] + i for b in rows for i in range(self.q)], dtype=torch.long,
+                                   device=device)
+        self.lanes = torch.tensor([batch.lanes[b] for b in rows], dtype=torch.long, device=device)
+        self.held_most = max(batch.plan[b][1] + self.q for b in rows)
+        self.held = torch.tensor([batch.plan[b][1] + self.q for b in rows], dtype=torch.long, device=device)
+
+
 class _Batch:
     """One forward's requests as the allocator reads them: `plan` (request, past, new tokens) in batch order, their
     lanes, the first new token of each, and the writes of each stream layout (`writes`, made at first use)."""
@@ -140,10 +156,16 @@ class _Batch:
             self.starts.append(self.starts[-1] + q)
         self.device = device
         self._writes: dict[tuple, _Writes] = {}
-        self.decode = [b for b, (_, _, q) in enumerate(plan) if q == 1]  # read by the kernels where they can
-        self.decode_tokens = torch.tensor([self.starts[b] for b in self.decode], dtype=torch.long, device=device)
-        self.decode_lanes = torch.tensor([lanes[b] for b in self.decode], dtype=torch.long, device=device)
-        self.decode_held = torch.tensor([plan[b][1] + 1 for b in self.decode], dtype=torch.long, device=device)
+        # What the fused kernels read where they run: the requests that decode a token, in one launch, and each
+        # chunk of prompt over a history, alone (made at first use: the CPU reads every request by the reference)
+        self._groups: list[_Rows] | None = None
+
+    def groups(self) -> list[_Rows]:
+        if self._groups is None:
+            decode = [b for b, (_, _, q) in enumerate(self.plan) if q == 1]
+            chunks = [[b] for b, (_, past, q) in enumerate(self.plan) if q > 1 and past]
+            self._groups = [_Rows(self, rows) for rows in ([decode] if decode else []) + chunks]
+        return self._groups
 
     def writes(self, rules: StreamStorage) -> _Writes:
         key = (rules.sink_tokens, rules.ring_length, rules.window, rules.block, rules.codec.block_size)
@@ -170,8 +192,8 @@ class _Batch:
                 sink[1].append(lane)
                 sink[2].append(p)
             i0, i1 = past - s, held - s  # indices past the sinks of this write's first token and of the next
-            if i1 > 0:
-                observe.append((lane, start + max(-i0, 0), start + q))
+            if i0 <= 0 < i1:  # the request's first write past its sinks (a later one finds its state set)
+                observe.append((lane, start - i0, start + q))
             if rules.block:  # the blocks this write completes, each from the ring and this write
                 for blk in range(max(i0, 0) // g, max(i1, 0) // g):
                     pack_lanes.append(lane)

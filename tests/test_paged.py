@@ -61,7 +61,7 @@ def allocators(monkeypatch):
 def _config(kv_cache, **kwargs):
     from hf_kvcache import PackedBatchingConfig
 
-    return PackedBatchingConfig(kv_cache, page_size=PAGE, num_blocks=64, max_batch_tokens=1024, **kwargs)
+    return PackedBatchingConfig(kv_cache, **{"page_size": PAGE, "num_blocks": 64, "max_batch_tokens": 1024, **kwargs})
 
 
 def _greedy(new: int) -> GenerationConfig:
@@ -356,31 +356,33 @@ def test_serving_bench_counts_what_it_ran():
     (TURBOQUANT_KERNEL[0], TURBOQUANT_KERNEL[2], "qwen2"),  # per-request channel orders, sinks, a window
 ])
 def test_fused_decode_reads_the_pages_as_the_reference(spec, hard, tiny, monkeypatch):
-    """The decode rows of a batch read through the fused kernels in one launch (Triton's interpreter here; on CUDA
-    the same launch): each request's packed slots gathered from its pages, its sinks and window from its lane, a length
-    per row. Greedy tokens equal the reference read's, and the kernels served every decode row."""
+    """The decode rows of a batch read through the fused kernels in one launch, and a chunk of prompt over a history in
+    its own (Triton's interpreter here; on CUDA the same launches): each request's packed slots gathered from its
+    pages, its sinks and window from its lane, a length per row. Greedy tokens equal the reference read's, and the
+    kernels served every row they were given, chunks (40 tokens a batch) among them."""
     from hf_kvcache import kernels, paged
 
     if not kernels.interpreting():
         pytest.skip("the interpreter run; on CUDA, test_cuda_bf16_matches_generate reads through the kernels")
-    served = []  # (decode rows, rows the kernels read) of each fused read
+    served = []  # (rows, new tokens a row, rows the kernels read) of each fused read
     fused = paged.PackedPageAllocator._attend_fused
 
-    def recorded(self, handle, *args):
-        done = fused(self, handle, *args)
-        served.append((len(handle.batch.decode), len(done)))
+    def recorded(self, handle, group, *args):
+        done = fused(self, handle, group, *args)
+        served.append((len(group.rows), group.q, len(done)))
         return done
 
     monkeypatch.setattr(paged.PackedPageAllocator, "_attend_fused", recorded)
     model = tiny_model(tiny)
     prompts = _prompts(3, seed=6)
     with kernels.use_backend("torch"):
-        reference = _generate_batch(model, prompts, _config(make_cache(spec, model, **hard)), new=4)
+        reference = _generate_batch(model, prompts, _config(make_cache(spec, model, **hard), max_batch_tokens=40), new=4)
     assert not served
     with kernels.use_backend("triton"):
-        got = _generate_batch(model, prompts, _config(make_cache(spec, model, **hard)), new=4)
+        got = _generate_batch(model, prompts, _config(make_cache(spec, model, **hard), max_batch_tokens=40), new=4)
     assert got == reference
-    assert served and all(rows == done for rows, done in served), f"decode rows not read by the kernels: {served}"
+    assert served and all(rows == done for rows, _, done in served), f"rows not read by the kernels: {served}"
+    assert any(q > 1 for _, q, _ in served), "no chunk over a history came to the kernels"
 
 
 @needs_seam
