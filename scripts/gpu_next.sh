@@ -5,7 +5,8 @@
 #   bash scripts/gpu_next.sh C    speed of transformers' QuantizedCache (quanto) beside the presets of its bytes, batch 1
 #                                 and 16 x 32k; carry [".whl"]: `pip download --no-deps --only-binary=:all:
 #                                 --python-version 3.12 -d .whl optimum-quanto ninja` here first
-#   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests) and the serving part of the bench; needs
+#   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
+#                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
 #                                 --no-deps` as for C of transformers==5.25.0 huggingface-hub==2.4.0 kernels==0.19.1
 #                                 httpx2==2.17.0 httpcore2==2.17.0 hf-xet==1.8.0 click==8.4.2 regex tomlkit truststore
@@ -46,8 +47,9 @@ D)
   python3 -c "import transformers; print('transformers', transformers.__version__)" | tee "$OUT/d0_versions.txt"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_paged.py -m cuda 2>&1 | tee "$OUT/d1_paged.log" \
     | tail -8
-  timeout 240 hf-kvcache bench --parts serving --serving-requests 48 --serving-prompt 512,1536 \
+  timeout 300 hf-kvcache bench --parts serving --serving-requests 96 --serving-prompt 512,1536 \
     --serving-new-tokens 48 --serving-budget-gb 1 --serving-methods fp8-e4m3,turboquant-4,kivi-2 \
     --json "$OUT/d2_serving.json" 2>&1 | tee "$OUT/d2_serving.log" | tail -12
+  timeout 100 python3 scripts/profile_serving.py turboquant-4 32 32 2>&1 | tee "$OUT/d3_profile.log" | tail -22
   ;;
 esac

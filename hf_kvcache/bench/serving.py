@@ -130,7 +130,8 @@ def serving_part(cfg: BenchConfig, log=print) -> list[dict]:
         log(format_rows(rows)[-1])
     log(f"{cfg.serving_requests} requests of {cfg.serving_prompt[0]}-{cfg.serving_prompt[1]} prompt tokens, "
         f"{cfg.serving_new_tokens} new each (EOS off), {cfg.serving_budget_gb:g} GB of pages, {cfg.e2e_layers} layers "
-        "of the Llama-3-8B shape, bf16, continuous batching (sdpa, index-based reads; packed pages: the reference read)")
+        "of the Llama-3-8B shape, bf16, continuous batching (sdpa, index-based reads; packed pages: decode steps through "
+        "the fused kernels over the pages)")
     for line in format_rows(rows):
         log(line)
     cfg.results["serving"] = dict(requests=cfg.serving_requests, prompt=list(cfg.serving_prompt),
