@@ -68,13 +68,21 @@ def compiling_only() -> Iterator[None]:
         _compile_only = old
 
 
-@functools.lru_cache(maxsize=None)
+# Whether triton imports, found once. A module global and not `functools.lru_cache`: `use_kernels` runs inside compiled
+# decode steps, and dynamo traces a global read where it warned on tracing through the cache (H100, 2026-12-07).
+_triton: bool | None = None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    global _triton
+    if _triton is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _triton = False
+        else:
+            _triton = True
+    return _triton
 
 
 # The oldest NVIDIA architecture the kernels are built and checked for (Turing: T4, RTX 20xx): `mma` with fp16
