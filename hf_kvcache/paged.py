@@ -358,9 +358,12 @@ class PackedPageAllocator(_FullAllocator):
         batch = handle.batch
         out = torch.empty((1, query.shape[2], query.shape[1], query.shape[3]), dtype=query.dtype, device=query.device)
         fused = set()
-        if kernels.use_kernels(query.device):
-            for group in batch.groups():
+        kernel = kernels.use_kernels(query.device)
+        for group in batch.groups():
+            if kernel:
                 fused.update(self._attend_fused(handle, group, query, scaling, softcap, s_aux, out))
+            elif group.q == 1:  # the CPU: the decoding requests by the reference, together
+                fused.update(self._attend_gathered(handle, group, query, scaling, softcap, s_aux, out))
         for b, (_, past, q) in enumerate(batch.plan):
             if b not in fused:
                 start = batch.starts[b]
@@ -419,6 +422,37 @@ class PackedPageAllocator(_FullAllocator):
         return StreamTensors(sink=lane_rows(lanes.sink), fields=fields, fmt=codec.packed_format(), n_packed=t,
                              residual=lane_rows(lanes.ring))
 
+    def _attend_gathered(self, handle: SelfReadingPages, group: _Rows, query: torch.Tensor, scaling: float, softcap,
+                         s_aux, out: torch.Tensor) -> list[int]:
+        """The reference of `_attend_fused` for requests that decode a token: the places the kernels read, gathered as
+        they gather them, dequantized and put in token order (keys and values of one token at one position, whatever
+        their places), the new token exact, then the attention over each request's own tokens."""
+        batch, layer_idx = handle.batch, handle.layer_idx
+        lanes = self._lanes[layer_idx]
+        tokens = group.tokens
+        past = [batch.plan[b][1] for b in group.rows]
+        span = max(past) + 1  # positions 0..past of every row, and a last one that takes what no row reads
+        kv = []
+        for name, new in (("keys", handle.keys), ("values", handle.values)):
+            view = self._kernel_view(lanes[name], batch, group, layer_idx, name)
+            parts = [view.sink, lanes[name].fmt.codec.decode(view.fields, self.cache_dtype), view.residual]
+            where = _positions(lanes[name].fmt.rules, [batch.writes(lanes[name].fmt.rules).reads[b] for b in group.rows],
+                               past, [0 if p is None else p.shape[2] for p in parts], span)
+            x = torch.cat([p for p in parts if p is not None], dim=2)  # (B, H, places, D)
+            dense = x.new_zeros((x.shape[0], x.shape[1], span + 1, x.shape[3]))
+            dense.scatter_(2, where.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]), x)
+            dense[torch.arange(len(past)), :, torch.tensor(past)] = new.index_select(0, tokens)
+            kv.append(dense)
+        k, v = kv
+        rotation = self.policies[layer_idx].key_rotation
+        if rotation is not None:
+            k = rotation.apply(k, inverse=True)
+        allowed = torch.arange(span + 1)[None, :] <= torch.tensor(past)[:, None]
+        queries = query[0].index_select(1, tokens).transpose(0, 1).unsqueeze(2)  # (B, Hq, 1, D)
+        o = _attention(queries, k, v, allowed.unsqueeze(1).to(k.device), scaling, softcap, s_aux)
+        out[0].index_copy_(0, tokens, o[:, :, 0])
+        return group.rows
+
     def _history(self, lanes: _Lanes, batch: _Batch, b: int, layer_idx: int, name: str) -> torch.Tensor:
         """Request b's tokens held before this write as stored, dequantized: `(H, past, D)`."""
         fmt, codec = lanes.fmt, lanes.fmt.codec
@@ -455,28 +489,46 @@ class PackedPageAllocator(_FullAllocator):
         rotation = self.policies[layer_idx].key_rotation
         if rotation is not None:
             k = rotation.apply(k.unsqueeze(0), inverse=True)[0]
-        return _attention(query, k, v, past, scaling, softcap, s_aux).transpose(0, 1)
+        allowed = torch.arange(past + q, device=k.device)[None, :] <= past + torch.arange(q, device=k.device)[:, None]
+        return _attention(query.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), allowed.unsqueeze(0), scaling, softcap,
+                          s_aux)[0].transpose(0, 1)
 
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("packed pages are read by index (max_blocks_per_request=0)")
 
 
-def _attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scaling: float, softcap,
+def _attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float, softcap,
                s_aux) -> torch.Tensor:
-    """`query (Hq, q, D)` at positions past.. over `k, v (H, past + q, D)`, causal -> `(Hq, q, D)`: SDPA, or the
+    """`query (B, Hq, q, D)` over `k, v (B, H, S, D)` where `allowed (B or 1, q, S)` -> `(B, Hq, q, D)`: SDPA, or the
     plain softmax in fp32 where the model caps its logits or adds attention sinks (`s_aux`)."""
-    hq, q, _ = query.shape
-    group = hq // k.shape[0]
-    allowed = torch.arange(k.shape[1], device=k.device)[None, :] <= past + torch.arange(q, device=k.device)[:, None]
+    b, hq, q, _ = query.shape
+    group = hq // k.shape[1]
+    allowed = allowed.unsqueeze(1)
     if softcap is None and s_aux is None:
-        return F.scaled_dot_product_attention(query.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=allowed,
-                                              scale=scaling, enable_gqa=group > 1)[0]
-    k, v = k.repeat_interleave(group, 0).float(), v.repeat_interleave(group, 0).float()
-    scores = torch.einsum("hqd,hkd->hqk", query.float(), k) * scaling
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling, enable_gqa=group > 1)
+    k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+    scores = torch.einsum("bhqd,bhkd->bhqk", query.float(), k) * scaling
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if s_aux is not None:  # one extra logit a head, attended by nothing
-        scores = torch.cat([scores, s_aux.float().reshape(hq, 1, 1).expand(hq, q, 1)], dim=-1)
-    p = scores.softmax(-1)[..., : k.shape[1]]
-    return torch.einsum("hqk,hkd->hqd", p, v).to(query.dtype)
+        scores = torch.cat([scores, s_aux.float().reshape(1, hq, 1, 1).expand(b, hq, q, 1)], dim=-1)
+    p = scores.softmax(-1)[..., : k.shape[2]]
+    return torch.einsum("bhqk,bhkd->bhqd", p, v).to(query.dtype)
+
+
+def _positions(rules, reads: list[tuple], past: list[int], widths: list[int], span: int) -> torch.Tensor:
+    """`(B, sinks + packed + ring places)`: the position in its request of the token each gathered place holds (as
+    `_kernel_view` gathers them), `span` for a place that holds none of its history (unused, or this step's token)."""
+    s, t, r = widths
+    out = torch.full((len(past), s + t + r), span, dtype=torch.long)
+    for row, ((n_sink, packed, n_res, off), held_before) in enumerate(zip(reads, past)):
+        n_sink = min(n_sink, held_before)
+        out[row, :n_sink] = torch.arange(n_sink)
+        n_packed = max(min(packed, held_before - n_sink), 0)
+        out[row, s : s + n_packed] = n_sink + torch.arange(n_packed)
+        n_ring = max(min(n_res, held_before - n_sink - packed), 0)
+        if n_ring:
+            k = torch.arange(n_ring)  # residual token k sits in ring row (off + k) % R
+            out[row, s + t + (off + k) % rules.ring_length] = n_sink + packed + k
+    return out
