@@ -458,9 +458,7 @@ def finish_scores(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 def row_of(pid_bh, Hkv, ROW_LENS: tl.constexpr):
     """Which entry of a STATIC launch's `LENS` holds this program's length: its batch row's where every row has its own
     (`ROW_LENS`, packed pages: requests of different lengths in one launch), else the one length of the batch."""
-    if ROW_LENS:
-        return (pid_bh // Hkv).to(tl.int64)
-    return 0
+    return (pid_bh // Hkv).to(tl.int64) * ROW_LENS  # one return type either way (the compiler checks both)
 
 
 @triton.jit
