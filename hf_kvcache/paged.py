@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _compat, kernels
 from .attention import SelfReading
@@ -497,15 +498,24 @@ class PackedPageAllocator(_FullAllocator):
         raise NotImplementedError("packed pages are read by index (max_blocks_per_request=0)")
 
 
+# A prompt's first chunk attends to itself through these. Not cuDNN's: it plans a graph for every new length, and each
+# request's prompt has its own (4.5 ms of host time a call on an H100, 2026-12-07, scripts/profile_serving.py).
+_CAUSAL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scaling: float, softcap,
                s_aux) -> torch.Tensor:
     """`query (B, Hq, q, D)` over `k, v (B, H, S, D)` where `allowed (B or 1, q, S)` -> `(B, Hq, q, D)`: SDPA, or the
     plain softmax in fp32 where the model caps its logits or adds attention sinks (`s_aux`)."""
     b, hq, q, _ = query.shape
     group = hq // k.shape[1]
-    allowed = allowed.unsqueeze(1)
     if softcap is None and s_aux is None:
-        return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling, enable_gqa=group > 1)
+        if q == k.shape[2]:  # a first chunk over itself: plain causal, no mask (a flash kernel)
+            with sdpa_kernel(_CAUSAL_BACKENDS):
+                return F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=allowed.unsqueeze(1), scale=scaling,
+                                              enable_gqa=group > 1)
+    allowed = allowed.unsqueeze(1)
     k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
     scores = torch.einsum("bhqd,bhkd->bhqk", query.float(), k) * scaling
     if softcap is not None:

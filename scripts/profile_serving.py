@@ -16,6 +16,40 @@ from hf_kvcache.bench._common import _random_model
 from hf_kvcache.bench.serving import serve_workload, workload
 
 
+def host_profile(run):
+    """`run()` with the packed allocator's own host work (`update` and the read) under cProfile: the functions by
+    their own time."""
+    import cProfile
+    import pstats
+
+    from hf_kvcache import paged
+
+    profile = cProfile.Profile()
+    originals = {name: getattr(paged.PackedPageAllocator, name) for name in ("update", "attend")}
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            profile.enable()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                profile.disable()
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(paged.PackedPageAllocator, name, timed(fn))
+    try:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    finally:
+        for name, fn in originals.items():
+            setattr(paged.PackedPageAllocator, name, fn)
+    stats = pstats.Stats(profile)
+    print(f"wall {wall:.2f} s, in the allocator's update and read {stats.total_tt:.2f} s")
+    stats.sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     spec = sys.argv[1]
     requests = int(sys.argv[2]) if len(sys.argv) > 2 else 32
@@ -34,6 +68,7 @@ def main() -> None:
     print({k: row[k] for k in ("method", "most_running", "tokens_per_s", "tpot_ms_median")})
     print(f"wall {wall:.2f} s, GPU busy {gpu:.2f} s ({100 * gpu / wall:.0f}%)")
     print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+    host_profile(lambda: serve_workload(model, spec, prompts, new, int(1e9)))
 
 
 if __name__ == "__main__":
