@@ -182,9 +182,9 @@ class PackedPageAllocator(_FullAllocator):
         self._lanes = {idx: {name: _Lanes(f) for name, f in fs.items()} for idx, fs in self.formats.items()}
         self._lane_of: dict[str, int] = {}  # request -> its lane
         self._free_lanes: list[int] = []
-        self._lane_count = 0  # lanes allocated (rows of every `_Lanes` and of `_rows`)
-        self._rows: torch.Tensor | None = None  # (lanes, tokens) the slot row of each request's packed token i
-        self._tables: dict[str, tuple] = {}  # request -> the pages `_rows` was made from
+        self._lane_count = 0  # lanes allocated (rows of every `_Lanes` and of `_pages`)
+        self._pages: torch.Tensor | None = None  # (lanes, pages) each request's pages on the device, `_slot_rows`
+        self._tables: dict[str, tuple] = {}  # request -> the pages `_pages` holds for it
         self._held: dict[str, int] = {}  # request -> tokens held after its last batch
         self._plan: list[tuple[str, int, int]] = []  # this batch's (request, past, new tokens), in batch order
         self._plan_used = False
@@ -243,32 +243,36 @@ class PackedPageAllocator(_FullAllocator):
             for streams in self._lanes.values():
                 for lanes in streams.values():
                     lanes.grow(count, self.num_key_value_heads, self.head_dim, self.cache_dtype, device)
-            self._grow_rows(count, 0 if self._rows is None else self._rows.shape[1])
+            self._grow_pages(count, 1 if self._pages is None else self._pages.shape[1])
             self._free_lanes = list(range(count - 1, self._lane_count - 1, -1))
             self._lane_count = count
         lane = self._lane_of[request_id] = self._free_lanes.pop()
         return lane
 
-    def _grow_rows(self, lanes: int, tokens: int) -> None:
-        # Past a request's pages, a row reads the trash sector (never written); a write never goes there
-        rows = torch.full((lanes, tokens), self.read_trash_index, dtype=torch.long, device=self.cache_tensor.device)
-        if self._rows is not None:
-            rows[: self._rows.shape[0], : self._rows.shape[1]] = self._rows
-        self._rows = rows
+    def _grow_pages(self, lanes: int, pages: int) -> None:
+        # past a request's pages, entry 0: block 0 lies in the read trash sector (never written), and no write goes there
+        table = torch.zeros((lanes, pages), dtype=torch.long, device=self.cache_tensor.device)
+        if self._pages is not None:
+            table[: self._pages.shape[0], : self._pages.shape[1]] = self._pages
+        self._pages = table
 
-    def _sync_rows(self, request_id: str, lane: int) -> None:
-        """A request's slot rows on the device, made again only when its pages changed (a new page, or transformers
-        swapping a page for an identical shared one), so a step copies no index to the device."""
+    def _sync_pages(self, request_id: str, lane: int) -> None:
+        """A request's pages on the device, copied again only when they changed (a new page, or transformers swapping a
+        page for an identical shared one), so a step copies no index to the device."""
         table = tuple(self.block_table.get(request_id, ()))
         if self._tables.get(request_id) == table:
             return
-        p = self.tokens_per_page
-        if len(table) * p > self._rows.shape[1]:
-            self._grow_rows(self._rows.shape[0], max(len(table) * p, 2 * self._rows.shape[1]))
-        idx = torch.arange(len(table) * p)
-        rows = torch.tensor(table, dtype=torch.long)[idx // p] * self.block_physical_stride + idx % p
-        self._rows[lane, : rows.numel()] = rows.to(self._rows.device)
+        if len(table) > self._pages.shape[1]:
+            self._grow_pages(self._pages.shape[0], max(len(table), 2 * self._pages.shape[1]))
+        self._pages[lane, : len(table)] = torch.tensor(table, dtype=torch.long).to(self._pages.device)
         self._tables[request_id] = table
+
+    def _slot_rows(self, lanes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The slot rows (in the first layer; a layer adds its offset) of packed tokens `index` of the requests in
+        `lanes`, broadcast together: token i of a request is slot `i % page_size` of its page `i // page_size`."""
+        p = self.tokens_per_page
+        pages = self._pages[lanes, (index // p).clamp(max=self._pages.shape[1] - 1)]
+        return pages * self.block_physical_stride + index % p
 
     def _prepare(self, plan: list, device: torch.device) -> _Batch:
         """The batch's lanes (a new request gets one, a request started again from scratch forgets its state), checked
@@ -288,7 +292,7 @@ class PackedPageAllocator(_FullAllocator):
                 raise RuntimeError(f"packed pages: request {rid!r} holds {self._held.get(rid)} tokens, the batch "
                                    f"says {past}")
             self._held[rid] = past + q
-            self._sync_rows(rid, lane)
+            self._sync_pages(rid, lane)
             lanes.append(lane)
         return _Batch(plan, lanes, device)
 
@@ -343,7 +347,9 @@ class PackedPageAllocator(_FullAllocator):
             tokens = src.view(-1, g, *src.shape[1:]).transpose(1, 2)  # (blocks, H, G, D)
             codec.state = lanes.states(w.pack_lanes)
             raw = fmt.to_bytes(codec.encode(tokens, None))  # (tokens, slot bytes)
-            rows = self._rows[lane, index] + self._layer_offset[layer_idx]
+            if w.slot_rows is None:  # the same for every layer
+                w.slot_rows = self._slot_rows(lane, index)
+            rows = w.slot_rows + self._layer_offset[layer_idx]
             self.cache_tensor[:, self._cols(layer_idx, name)].index_copy_(0, rows, raw)
         if w.ring is not None:
             tok, flat = w.ring
@@ -411,9 +417,7 @@ class PackedPageAllocator(_FullAllocator):
         reads = batch.writes(fmt.rules).reads
         align = math.lcm(16, codec.block_size)
         t = max(-(-max(reads[b][1] for b in group.rows) // align) * align, align)
-        if t > self._rows.shape[1]:
-            self._grow_rows(self._rows.shape[0], t)
-        rows = self._rows.index_select(0, group.lanes)[:, :t] + self._layer_offset[layer_idx]
+        rows = group.slot_rows(t, self._slot_rows) + self._layer_offset[layer_idx]
         raw = self.cache_tensor[:, self._cols(layer_idx, name)].index_select(0, rows.reshape(-1))
         # row-major copies (`contiguous` keeps a size-1 axis's odd stride, which KIVI's key layout check refuses)
         fields = {k: torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)
@@ -464,9 +468,10 @@ class PackedPageAllocator(_FullAllocator):
         if n_sink:
             parts.append(lanes.sink[lane, :n_sink])
         if packed and past > n_sink:
-            rows = self._rows[lane, :packed] + self._layer_offset[layer_idx]
+            lane_t = torch.tensor([lane], device=self._pages.device)
+            rows = self._slot_rows(lane_t, torch.arange(packed, device=lane_t.device)) + self._layer_offset[layer_idx]
             raw = self.cache_tensor[:, self._cols(layer_idx, name)].index_select(0, rows)
-            codec.state = lanes.states(torch.tensor([lane], device=raw.device))
+            codec.state = lanes.states(lane_t)
             parts.append(codec.decode(fmt.from_bytes(raw, 1), self.cache_dtype)[0].transpose(0, 1))
         if n_res and past > n_sink + packed:
             r = fmt.rules.ring_length

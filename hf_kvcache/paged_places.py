@@ -119,6 +119,7 @@ class _Writes:
     pack_lanes: torch.Tensor | None
     observe: list
     reads: list
+    slot_rows: torch.Tensor | None = None  # the packed tokens' slot rows, the allocator's once a batch
 
 
 def _tensors(device: torch.device, *columns: list) -> tuple[torch.Tensor, ...] | None:
@@ -142,6 +143,15 @@ class _Rows:
         self.lanes = torch.tensor([batch.lanes[b] for b in rows], dtype=torch.long, device=device)
         self.held_most = max(batch.plan[b][1] + self.q for b in rows)
         self.held = torch.tensor([batch.plan[b][1] + self.q for b in rows], dtype=torch.long, device=device)
+        self._slots: dict[int, torch.Tensor] = {}
+
+    def slot_rows(self, tokens: int, rows_of) -> torch.Tensor:
+        """`(B, tokens)`: the slot rows of each request's first `tokens` packed tokens (`rows_of(lanes, index)`, the
+        allocator's), made once a batch for every layer and stream that reads as many."""
+        if tokens not in self._slots:
+            index = torch.arange(tokens, device=self.lanes.device)
+            self._slots[tokens] = rows_of(self.lanes[:, None], index[None, :])
+        return self._slots[tokens]
 
 
 class _Batch:
