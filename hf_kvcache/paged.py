@@ -339,10 +339,11 @@ class PackedPageAllocator(_FullAllocator):
                 lanes.save_state(lane, codec.state, self._lane_count)
         if w.pack is not None:
             lane, index, from_x, tok, ring_row = w.pack
-            src = x.index_select(0, tok)
-            if lanes.ring is not None:  # tokens held before this write come from the ring, read before it is written
+            # tokens held before this write come from the ring, read before it is written (a decode step: all of them)
+            src = x.index_select(0, tok) if w.pack_from != "ring" else None
+            if w.pack_from != "x":
                 held = lanes.ring.view(-1, *lanes.ring.shape[2:]).index_select(0, ring_row)
-                src = torch.where(from_x[:, None, None], src, held)
+                src = held if src is None else torch.where(from_x[:, None, None], src, held)
             g = codec.block_size
             tokens = src.view(-1, g, *src.shape[1:]).transpose(1, 2)  # (blocks, H, G, D)
             codec.state = lanes.states(w.pack_lanes)

@@ -120,6 +120,7 @@ class _Writes:
     observe: list
     reads: list
     slot_rows: torch.Tensor | None = None  # the packed tokens' slot rows, the allocator's once a batch
+    pack_from: str = "both"  # where the tokens to pack come from: "x" (this write), "ring", or "both"
 
 
 def _tensors(device: torch.device, *columns: list) -> tuple[torch.Tensor, ...] | None:
@@ -222,5 +223,7 @@ class _Batch:
             reads.append(rules.split(held))
         if g == 1:  # one token a block
             pack_lanes = pack[0]
+        sources = set(pack[2])
         return _Writes(_tensors(self.device, *sink), _tensors(self.device, *ring), _tensors(self.device, *pack),
-                       _tensors(self.device, pack_lanes)[0] if pack_lanes else None, observe, reads)
+                       _tensors(self.device, pack_lanes)[0] if pack_lanes else None, observe, reads,
+                       pack_from="both" if len(sources) > 1 else ("x" if True in sources else "ring"))
