@@ -420,9 +420,7 @@ class PackedPageAllocator(_FullAllocator):
         t = max(-(-max(reads[b][1] for b in group.rows) // align) * align, align)
         rows = group.slot_rows(t, self._slot_rows) + self._layer_offset[layer_idx]
         raw = self.cache_tensor[:, self._cols(layer_idx, name)].index_select(0, rows.reshape(-1))
-        # row-major copies (`contiguous` keeps a size-1 axis's odd stride, which KIVI's key layout check refuses)
-        fields = {k: torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)
-                  for k, v in fmt.from_bytes(raw, len(group.rows)).items()}
+        fields = fmt.from_bytes(raw, len(group.rows))  # row-major, as KIVI's key layout check wants them
         codec.state = lanes.states(group.lanes)
         lane_rows = (lambda x: None if x is None else x.index_select(0, group.lanes).transpose(1, 2))
         return StreamTensors(sink=lane_rows(lanes.sink), fields=fields, fmt=codec.packed_format(), n_packed=t,

@@ -31,10 +31,6 @@ class _StreamFormat:
         self.slot_bytes = -(-self.row_bytes // codec.block_size)  # one token's share of a block row
         self.stateful = bool(sink_tokens or self.rules.ring_length or codec.state or codec.observing)
 
-    def packed(self, held: int) -> int:
-        """Tokens past the sinks that are packed when `held` are held."""
-        return self.rules.split(held)[1]
-
     def to_bytes(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
         """Fields `(B, H, n, ...)` -> `(B * n * G, slot_bytes)` uint8, sequence after sequence, each block row spread
         over its G slots."""
@@ -49,12 +45,16 @@ class _StreamFormat:
         return flat.reshape(-1, self.slot_bytes)
 
     def from_bytes(self, slots: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
-        """`(B * n * G, slot_bytes)` uint8 -> fields `(B, H, n, ...)`."""
+        """`(B * n * G, slot_bytes)` uint8 -> fields `(B, H, n, ...)`, row-major (as the kernels and the storage lay
+        fields out): one copy of each field's bytes."""
         flat = slots.reshape(-1, self.codec.block_size * self.slot_bytes)
         n, out, at = flat.shape[0] // batch, {}, 0
         for name, heads, tail, dtype, nbytes in self.fields:
-            raw = flat[:, at : at + nbytes].contiguous().view(dtype)
-            out[name] = raw.reshape(batch, n, heads, *tail).transpose(1, 2)
+            field = torch.empty((batch, heads, n, *tail), dtype=dtype, device=slots.device)
+            shape = field.view(torch.uint8).shape  # the last axis in bytes
+            src = flat[:, at : at + nbytes].reshape(batch, n, heads, *shape[3:])
+            field.view(torch.uint8).copy_(src.transpose(1, 2))
+            out[name] = field
             at += nbytes
         return out
 
