@@ -5,6 +5,8 @@
 #   bash scripts/gpu_next.sh C    speed of transformers' QuantizedCache (quanto) beside the presets of its bytes, batch 1
 #                                 and 16 x 32k; carry [".whl"]: `pip download --no-deps --only-binary=:all:
 #                                 --python-version 3.12 -d .whl optimum-quanto ninja` here first
+#   bash scripts/gpu_next.sh E    batch 1's GPU time (issue 52): the kernels of a step by GPU time beside DynamicCache's
+#                                 (scripts/profile_batch1.py), then one layer's read at 1 x 32k over split counts
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -51,5 +53,16 @@ D)
     --serving-new-tokens 48 --serving-budget-gb 1 --serving-methods fp8-e4m3,turboquant-4,kivi-2 \
     --json "$OUT/d2_serving.json" 2>&1 | tee "$OUT/d2_serving.log" | tail -12
   timeout 100 python3 scripts/profile_serving.py turboquant-4 32 32 2>&1 | tee "$OUT/d3_profile.log" | tail -22
+  ;;
+E)
+  timeout 200 python3 scripts/profile_batch1.py 32768 fp8-e4m3 turboquant-4 kivi-2 int4-g32 2>&1 \
+    | tee "$OUT/e1_profile.log" | tail -80
+  # split-K at batch 1: 8 kv-heads are 8 programs a split; splits = min(pps x SMs / 8, tiles / min_tiles)
+  for knobs in "16 4" "16 2" "16 1" "32 1" "8 8"; do
+    set -- $knobs
+    HF_KVCACHE_PROGRAMS_PER_SM=$1 HF_KVCACHE_MIN_TILES_PER_SPLIT=$2 timeout 90 hf-kvcache bench --parts kernel \
+      --batches 1 --contexts 32768 --methods fp8-e4m3,int4-g32,kivi-2,turboquant-4 \
+      --json "$OUT/e2_split_pps$1_mt$2.json" 2>&1 | sed "s/^/pps $1 min_tiles $2: /" | tee -a "$OUT/e2_splits.log" | tail -7
+  done
   ;;
 esac
