@@ -7,6 +7,9 @@
 #                                 --python-version 3.12 -d .whl optimum-quanto ninja` here first
 #   bash scripts/gpu_next.sh E    batch 1's GPU time (issue 52): the kernels of a step by GPU time beside DynamicCache's
 #                                 (scripts/profile_batch1.py), then one layer's read at 1 x 32k over split counts
+#   bash scripts/gpu_next.sh F    the compiled step's speed at batch 1 x 32k (fp8-e4m3, turboquant-4 against DynamicCache
+#                                 eager and StaticCache compiled) and every TurboQuant preset's chunked prefill, its kernels
+#                                 beside DynamicCache's (scripts/profile_batch1.py prefill)
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -64,5 +67,14 @@ E)
       --batches 1 --contexts 32768 --methods fp8-e4m3,int4-g32,kivi-2,turboquant-4 \
       --json "$OUT/e2_split_pps$1_mt$2.json" 2>&1 | sed "s/^/pps $1 min_tiles $2: /" | tee -a "$OUT/e2_splits.log" | tail -7
   done
+  ;;
+F)
+  timeout 280 hf-kvcache bench --parts decode --decode-batches 1 --e2e-context 32768 --e2e-modes compiled \
+    --decode-methods fp8-e4m3,turboquant-4 --json "$OUT/f1_compiled.json" 2>&1 | tee "$OUT/f1_compiled.log" | tail -8
+  timeout 300 hf-kvcache bench --parts prefill --prefill-batches 1,16 \
+    --decode-methods turboquant-4,turboquant-3.5,turboquant-3,turboquant-2.75,turboquant-2.5 \
+    --json "$OUT/f2_prefill.json" 2>&1 | tee "$OUT/f2_prefill.log" | tail -16
+  timeout 150 python3 scripts/profile_batch1.py prefill 32768 turboquant-4 turboquant-3 2>&1 \
+    | tee "$OUT/f3_prefill_profile.log" | tail -50
   ;;
 esac
