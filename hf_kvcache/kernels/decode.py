@@ -270,14 +270,14 @@ def _attn_fwd(
                 acc0 = acc0 * alpha[:, None] + dot(p.to(DT), vt.to(DT), PREC, B_COPY)
         ptr = ACC + part[:, None] * D + (VPER * jv)[None, :]
         if V_FMT != 3:
-            tl.store(ptr, acc0 * v_scale)
+            tl.store(ptr, acc0 * v_scale, mask=row_ok[:, None])
         else:
-            tl.store(ptr, acc0 + extra[:, None])
+            tl.store(ptr, acc0 + extra[:, None], mask=row_ok[:, None])
             if VPER > 1:
-                tl.store(ptr + 1, acc1 + extra[:, None])
+                tl.store(ptr + 1, acc1 + extra[:, None], mask=row_ok[:, None])
             if VPER > 2:
-                tl.store(ptr + 2, acc2 + extra[:, None])
-                tl.store(ptr + 3, acc3 + extra[:, None])
+                tl.store(ptr + 2, acc2 + extra[:, None], mask=row_ok[:, None])
+                tl.store(ptr + 3, acc3 + extra[:, None], mask=row_ok[:, None])
     else:
         # ------------------------------------------------------------------ tail: every other token
         body_end = n_sink + n_body_tiles * BLOCK_N
@@ -305,7 +305,7 @@ def _attn_fwd(
                              kpos[:, None], d[None, :], ok[:, None], n_sink, npv, nrv, v_off, stop, n_new, DT,
                              V_FMT, V_BITS, 1, V_CHG, V_SYM, V_RING)
             acc = acc * alpha[:, None] + dot(p.to(DT), vt, PREC, B_COPY)
-        tl.store(ACC + part[:, None] * D + d[None, :], acc)
+        tl.store(ACC + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
 

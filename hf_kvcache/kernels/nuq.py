@@ -366,7 +366,7 @@ def _nuq_attn(
             vt = _dense_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              npk, n_res, stop, n_new)
             acc = acc * alpha[:, None] + dot(p.to(DT), vt.to(DT), PREC, B_COPY)
-    tl.store(ACC + part[:, None] * D + d[None, :], acc)
+    tl.store(ACC + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
 

@@ -310,14 +310,14 @@ def _turbo_attn(
         ptr = ACC + part[:, None] * D
         if V_PLANES:
             jh = 4 * tl.arange(0, D // 4)
-            tl.store(ptr + jh[None, :], a0)
-            tl.store(ptr + (jh + 1)[None, :], a1)
-            tl.store(ptr + (jh + 2)[None, :], a2)
-            tl.store(ptr + (jh + 3)[None, :], a3)
+            tl.store(ptr + jh[None, :], a0, mask=row_ok[:, None])
+            tl.store(ptr + (jh + 1)[None, :], a1, mask=row_ok[:, None])
+            tl.store(ptr + (jh + 2)[None, :], a2, mask=row_ok[:, None])
+            tl.store(ptr + (jh + 3)[None, :], a3, mask=row_ok[:, None])
         else:
-            tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a)
+            tl.store(ptr + tl.arange(0, V_WA)[None, :], acc_a, mask=row_ok[:, None])
         if V_TWO:
-            tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b)
+            tl.store(ptr + V_WA + tl.arange(0, V_WB)[None, :], acc_b, mask=row_ok[:, None])
     else:
         # ---- tail: the exact tokens as stored, in the model's frame (q . k is the same in both), in the model
         # dtype like `decode.py`'s; its weighted sum stays in the model's frame (`decode._combine` adds it after
@@ -345,7 +345,7 @@ def _turbo_attn(
             vt = exact_tile(vs, vr, vn, svs_t, svr_t, svn_t, kpos[:, None], d[None, :], ok[:, None], n_sink,
                              body_end, stop, r_off, DT, RING)
             acc = acc * alpha[:, None] + dot(p.to(DT), vt, PREC)
-        tl.store(ACC + part[:, None] * D + d[None, :], acc)
+        tl.store(ACC + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(M_OUT + part, m_i)
     tl.store(L_OUT + part, l_i)
 
