@@ -10,6 +10,8 @@
 #   bash scripts/gpu_next.sh F    the compiled step's speed at batch 1 x 32k (fp8-e4m3, turboquant-4 against DynamicCache
 #                                 eager and StaticCache compiled) and every TurboQuant preset's chunked prefill, its kernels
 #                                 beside DynamicCache's (scripts/profile_batch1.py prefill)
+#   bash scripts/gpu_next.sh G    after the batch-1 kernel changes (8 tiles a split, the one-pass combine, narrow rotation
+#                                 blocks): CUDA checks, the step's kernels, one layer at 1 and 16 x 32k, then B
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -76,5 +78,14 @@ F)
     --json "$OUT/f2_prefill.json" 2>&1 | tee "$OUT/f2_prefill.log" | tail -16
   timeout 150 python3 scripts/profile_batch1.py prefill 32768 turboquant-4 turboquant-3 2>&1 \
     | tee "$OUT/f3_prefill_profile.log" | tail -50
+  ;;
+G)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hadamard.py tests/kernels/test_decode.py -k "rows_times or combine or (user_shapes and 1x32k and bf16)" 2>&1 \
+    | tee "$OUT/g0_tests.log" | tail -4
+  timeout 150 python3 scripts/profile_batch1.py 32768 fp8-e4m3 turboquant-4 kivi-2 2>&1 \
+    | tee "$OUT/g1_profile.log" | grep -A9 "^=="
+  timeout 120 hf-kvcache bench --parts kernel --batches 1,16 --contexts 32768 \
+    --methods fp8-e4m3,int4-g32,kivi-2,turboquant-4 --json "$OUT/g2_kernel.json" 2>&1 | tee "$OUT/g2_kernel.log" | tail -12
+  bash "$0" B
   ;;
 esac

@@ -16,7 +16,7 @@ from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 # The split-K partials `decode._combine` reads at a time. A fixed block, not the split count's power of two: the count
 # grows with the context, and each power of two was a kernel variant that a long `generate` compiled on its way
 # (after `warm_up`, whose calls are short).
-COMBINE_PARTS = 16
+COMBINE_PARTS = 64
 
 
 def supports_packed(keys: StreamTensors, values: StreamTensors, query: torch.Tensor, static: bool) -> str | None:

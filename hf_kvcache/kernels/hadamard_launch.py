@@ -33,6 +33,9 @@ def hadamard(x: torch.Tensor, _eager: bool = False) -> torch.Tensor:
     return out.view(x.shape)
 
 
+_FEW_ROWS = 512  # rows_times: up to this many rows, columns in blocks of 16
+
+
 @on_input_device
 def rows_times(x: torch.Tensor, m: torch.Tensor, _eager: bool = False) -> torch.Tensor:
     """`x (..., D)` -> `x.float() @ m` float32, `m (D, D)` float32 of any strides (its transpose, a view, is the
@@ -52,7 +55,10 @@ def rows_times(x: torch.Tensor, m: torch.Tensor, _eager: bool = False) -> torch.
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, device=x.device, dtype=torch.float32)
-    block, block_n = 16, min(d, 64)
+    # Each program sums all D products of its outputs in turn (IEEE float32: no tensor cores), so a few rows (a decode
+    # step's query, one token's keys: 8-32 rows) take narrow column blocks, four times the programs for a quarter of
+    # that chain each; many rows (a prefill chunk's) take wide ones and read each row fewer times.
+    block, block_n = 16, min(d, 16 if rows.shape[0] <= _FEW_ROWS else 64)
     kernel._rows_times[(kernel.triton.cdiv(rows.shape[0], block), d // block_n)](
         rows, m, out, rows.shape[0], rows.stride(0), m.stride(0), m.stride(1), out.stride(0), D=d, BLOCK=block,
         BLOCK_N=block_n,

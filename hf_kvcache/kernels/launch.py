@@ -26,8 +26,9 @@ from .layout import StaticLayout, StreamTensors
 # Defaults from the H200 sweeps (BENCHMARKS.md): 64-token tiles with 3 stages (2026-11-29); 2 warps a program and
 # about 16 programs per multiprocessor (2026-12-01: the 4 warps of a program split each tile's columns, so every
 # tile's row maxima and sums and p's operand layout crossed warps through shared memory and barriers; 2 warps with
-# twice the programs were 1.08-1.16x faster for every format at batch 16), each split at least 4 tiles (more
-# splits at batch 1 only added partial results to combine). KVQuant's kernel keeps 4 warps (2 were 1.7x slower).
+# twice the programs were 1.08-1.16x faster for every format at batch 16), each split at least 8 tiles (H100,
+# 2026-12-07, one layer at batch 1 x 32k, `gpu_next.sh E`: against 4, fp8-e4m3 60.3 -> 55.0 us, int4-g32 84.9 -> 74.1,
+# kivi-2 173.6 -> 158.9, turboquant-4 100.2 -> 102.4; 2 and 1 were slower still; batch 16 is not bound by it). KVQuant's kernel keeps 4 warps (2 were 1.7x slower).
 TUNING = {
     "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),
     "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "2")),
@@ -43,7 +44,7 @@ TUNING = {
     # with the register lookup: dequantize, rotate and multiply in fp16 (pairs of channels an instruction, the
     # slots written by a packed compare), where the format's values fit fp16 (`NUQFormat.fp16`)
     "nuq_fp16": os.environ.get("HF_KVCACHE_NUQ_FP16", "1") == "1",
-    "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "4")),
+    "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "8")),
     # a decode step's mask row loaded one tile ahead in the body loops (`decode._attn_fwd`, `turbo._turbo_attn`)
     "mask_ahead": os.environ.get("HF_KVCACHE_MASK_AHEAD", "1") == "1",
     # integer codes split by inline PTX, two elements a 32-bit register (`tiles.plane_asm`): bit planes

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_kvcache import _compat, kernels, make_cache
-from hf_kvcache.kernels import ops
+from hf_kvcache.kernels import hadamard_launch, ops
 from hf_kvcache.quant import fwht
 from tests.helpers.tiny_models import left_padded_batch, tiny_model
 from tests.kernels.test_decode import DEVICE
@@ -45,12 +45,14 @@ def test_greedy_generation_through_the_kernels_equals_the_dense_path(spec):
 @pytest.mark.parametrize("d", [16, 64, 256])
 def test_rows_times_is_the_float32_product(d):
     """`ops.rows_times` (the rotations of a captured step, without cuBLAS) against `x.float() @ m`, bf16 rows and a
-    transposed matrix included."""
+    transposed matrix included, in both column blocks (a few rows and many)."""
     g = torch.Generator().manual_seed(d)
     m = torch.linalg.qr(torch.randn(d, d, generator=g))[0].to(DEVICE)
     x = torch.randn(2, 3, 21, d, generator=g).to(DEVICE)
+    many = torch.randn(hadamard_launch._FEW_ROWS + 3, d, generator=g).to(DEVICE)
     with kernels.use_backend("triton"):
         torch.testing.assert_close(ops.rows_times(x, m), x @ m, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ops.rows_times(many, m), many @ m, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ops.rows_times(x.bfloat16(), m.T), x.bfloat16().float() @ m.T, atol=1e-5, rtol=1e-5)
         with pytest.raises(ValueError, match="power-of-two"):
             ops.rows_times(torch.randn(2, 96, device=DEVICE), torch.eye(96, device=DEVICE))
