@@ -19,7 +19,8 @@ The config (paths relative to the repository's root, the folder holding README.m
 - bytes: the planner's, every tensor one sequence's cache holds (`hf_kvcache.footprint`).
 - speed: `hf-kvcache bench --parts e2e --json` files: `e2e.rows` (`method`, `mode`, `batch`, `context`, `vs_dynamic`:
   DynamicCache's step / the cache's, measured in the same run) for decode, or `--parts decode`'s `decode.rows` (the
-  same fields, `generate` continuing caches filled with random K/V), and a `prefill.rows` section (`method`,
+  same fields, `generate` continuing caches filled with random K/V) or `--parts batch1`'s `batch1.rows` (the same,
+  at batch 1, medians of rounds interleaved with DynamicCache's), and a `prefill.rows` section (`method`,
   `batch`, `context`, `chunk`, `prefill_s`, `vs_dynamic_chunked`, `vs_dynamic`) for prefill. A file without the
   point asked for leaves it unmeasured; nothing is filled in.
 """
@@ -135,8 +136,9 @@ def accuracy_figures(sources: dict, root: Path) -> dict[str, dict]:
 
 def _decode_section(bench: dict) -> tuple[str, dict]:
     """The section a decode column reads: `e2e` (`generate` over its own prompt), else `decode` (`--parts decode`:
-    `generate` continuing a cache filled with random K/V, which times every preset in a fraction of the time)."""
-    for name in ("e2e", "decode"):
+    `generate` continuing a cache filled with random K/V, which times every preset in a fraction of the time), else
+    `batch1` (`--parts batch1`: the same steps at batch 1, the median of rounds interleaved with DynamicCache's)."""
+    for name in ("e2e", "decode", "batch1"):
         if bench.get(name):
             return name, bench[name]
     return "e2e", {}
@@ -174,7 +176,8 @@ def speed_figures(sources: dict, root: Path) -> tuple[dict[str, list[dict]], lis
             section, e2e = _decode_section(bench)
             columns.append({**col, "what": what, "layers": e2e.get("layers"), "new_tokens": e2e.get("new_tokens"),
                             "section": section if what == "decode" else "prefill",
-                            "date": bench.get("env", {}).get("date")})
+                            "date": bench.get("env", {}).get("date"),
+                            **({"repeats": rows[0].get("repeats")} if section == "batch1" else {})})
             seen = set()
             for r in rows:
                 if r["method"] in seen:

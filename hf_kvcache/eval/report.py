@@ -461,6 +461,10 @@ def presets_table(figures) -> str:
     step = ("the step of `generate` continuing a cache filled with random K/V to the context (`hf-kvcache bench "
             "--parts decode`: a 40-token call less an 8-token one, over 32 steps)"
             if any(c.get("section") == "decode" for c in figures.columns) else "the median step")
+    rounds = next((c for c in figures.columns if c.get("section") == "batch1"), None)
+    if rounds:  # `--parts batch1`: the same steps, interleaved
+        step += (f"; at batch 1 the median of {rounds.get('repeats')} rounds that time every cache in turn, "
+                 "DynamicCache's among them (`--parts batch1`)")
     notes = [
         (f"**Accuracy**: the decode protocol ([docs/evaluation.md](docs/evaluation.md)): a prefill of {acc['prefill']} "
          f"tokens through the cache, then {acc['decode_tokens']} tokens decoded one at a time, on {acc['windows']} "

@@ -282,6 +282,24 @@ def test_a_decode_part_file_fills_the_decode_columns(tmp_path):
     assert "continuing a cache filled with random K/V" in table and "None new tokens" not in table
 
 
+def test_a_batch1_part_file_fills_the_batch_1_column(tmp_path):
+    """`--parts batch1` (interleaved rounds at batch 1) fills a batch-1 decode column from its `batch1` rows, and the
+    note says the ratio is the median of its rounds."""
+    _eval_run(tmp_path)
+    rows = [{"method": m, "attention": "sdpa", "batch": 1, "context": 4096, "repeats": 7, "step_ms": 1.0,
+             "vs_dynamic": v} for m, v in (("dynamic", 1.0), ("int8", 1.04))]
+    (tmp_path / "results" / "run" / "batch1.json").write_text(json.dumps(
+        {"env": {"gpu": "GPU X"}, "batch1": {"layers": 2, "context": 4096, "rows": rows}}))
+    sources = tmp_path / "docs" / "readme_sources.json"
+    config = json.loads(sources.read_text())
+    config["speed"]["decode"][0]["path"] = "results/run/batch1.json"
+    sources.write_text(json.dumps(config))
+    figures = load_figures(tmp_path)
+    table = presets_table(figures)
+    assert table.splitlines()[2].endswith("| x1.04 | x2.50 | x0.90 |")
+    assert "at batch 1 the median of 7 rounds" in table
+
+
 def test_report_readme_writes_then_checks(tmp_path, capsys):
     _eval_run(tmp_path)
     readme = str(tmp_path / "README.md")
