@@ -12,6 +12,7 @@
 #                                 beside DynamicCache's (scripts/profile_batch1.py prefill)
 #   bash scripts/gpu_next.sh G    after the batch-1 kernel changes (8 tiles a split, the one-pass combine, narrow rotation
 #                                 blocks): CUDA checks, the step's kernels, one layer at 1 and 16 x 32k, then B
+#   bash scripts/gpu_next.sh H    one layer at batch 1 x 32k over warps, stages and longer splits (kivi-2, turboquant-4)
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -87,5 +88,14 @@ G)
   timeout 120 hf-kvcache bench --parts kernel --batches 1,16 --contexts 32768 \
     --methods fp8-e4m3,int4-g32,kivi-2,turboquant-4 --json "$OUT/g2_kernel.json" 2>&1 | tee "$OUT/g2_kernel.log" | tail -12
   bash "$0" B
+  ;;
+H)
+  for knobs in "2 3 8" "4 3 8" "2 2 8" "2 4 8" "2 3 16"; do
+    set -- $knobs
+    HF_KVCACHE_NUM_WARPS=$1 HF_KVCACHE_NUM_STAGES=$2 HF_KVCACHE_MIN_TILES_PER_SPLIT=$3 timeout 90 hf-kvcache bench \
+      --parts kernel --batches 1 --contexts 32768 --methods fp8-e4m3,kivi-2,turboquant-4 \
+      --json "$OUT/h_w$1_s$2_mt$3.json" 2>&1 | sed "s/^/warps $1 stages $2 min_tiles $3: /" | tee -a "$OUT/h_knobs.log" \
+      | grep "us  x"
+  done
   ;;
 esac
