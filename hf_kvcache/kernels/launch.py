@@ -27,8 +27,9 @@ from .layout import StaticLayout, StreamTensors
 # about 16 programs per multiprocessor (2026-12-01: the 4 warps of a program split each tile's columns, so every
 # tile's row maxima and sums and p's operand layout crossed warps through shared memory and barriers; 2 warps with
 # twice the programs were 1.08-1.16x faster for every format at batch 16), each split at least 8 tiles (H100,
-# 2026-12-07, one layer at batch 1 x 32k, `gpu_next.sh E`: against 4, fp8-e4m3 60.3 -> 55.0 us, int4-g32 84.9 -> 74.1,
-# kivi-2 173.6 -> 158.9, turboquant-4 100.2 -> 102.4; 2 and 1 were slower still; batch 16 is not bound by it). KVQuant's kernel keeps 4 warps (2 were 1.7x slower).
+# 2026-12-07, one layer at batch 1 x 32k, `gpu_next.sh E`, the split counts of 8 tiles: against 4, fp8-e4m3 60.3 ->
+# 55.0 us, int4-g32 84.9 -> 74.1, kivi-2 173.6 -> 158.9, turboquant-4 100.2 -> 102.4; 2 and 1 tiles were slower
+# still; batch 16 x 32k splits more than 8 tiles anyway). KVQuant's kernel keeps 4 warps (2 were 1.7x slower).
 TUNING = {
     "block_n": int(os.environ.get("HF_KVCACHE_BLOCK_N", "64")),
     "num_warps": int(os.environ.get("HF_KVCACHE_NUM_WARPS", "2")),
