@@ -320,8 +320,8 @@ def _combine(
     """out[b, t, h*G + g] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the split-K partials, NP of them at
     a time (a fixed block: one kernel variant whatever the split count, which grows with the context) in one pass
     that rescales what it summed whenever the running max grows (each block's loads wait on the last's: a batch-1
-    read of 32k tokens has over a hundred parts, and two passes of blocks of 16 were ~20 us of load latency on an
-    H100). FRAME (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame F = P R
+    read of 32k tokens has over a hundred parts, and two passes of blocks of 16 took 11-19 us a layer there on an
+    H100, 2026-12-07). FRAME (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame F = P R
     (`layout.CodebookFormat`) and is summed, then rotated back by R^T (z_c = sum_j o'_j R[c, j]) and put back in
     the model's channel order (HAS_ORDER: channel `ORDER[b, h, c]` takes z_c) before the tail's part is added."""
     pid = tl.program_id(0)
