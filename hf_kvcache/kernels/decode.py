@@ -12,10 +12,13 @@ Work split, per (batch row, kv-head, tile of query rows):
   (times a power of two if it would overflow) and p is rounded to fp16 instead of bf16 (`decode_launch._product_dtype`).
   Integer codes read as bit planes (`planes`) are split on the GPU by inline PTX that writes two codes into the
   mantissas of a 16-bit float pair per instruction (`plane_asm`).
-- one tail program (a separate launch of the same kernel, BODY=False, so that its many live tiles do not
-  raise the body's register count) reads everything else token by token: the sink, the packed tokens outside whole body tiles
-  (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
-  the reference codecs do (to the model dtype) before the dot.
+- tail programs (a separate launch of the same kernel, BODY=False, so that its many live tiles do not
+  raise the body's register count) read everything else token by token: the sink, the packed tokens outside whole body
+  tiles (KIVI's keys and values are split differently), the residual and the new tokens, each dequantized exactly as
+  the reference codecs do (to the model dtype) before the dot. `n_tail` programs take the tail's tiles in turn (tile
+  i to program i mod n_tail), each writing a partial result of its own after the body's: a window of 128-256 exact
+  tokens is 5-9 tiles, which one program walked in series after the body's launch (`launch._tail_split` sizes
+  it).
 
 Query rows are (query position, query head of the kv-head's group) pairs, so GQA/MQA read each K/V tile once for
 all the query heads that share it, and q_len > 1 (chunked prefill, speculative verification) is the same code
@@ -47,7 +50,7 @@ FMT_FP8_E5M2_BITS = 6
 # (cp.async); the cache keeps its capacity a multiple of 16 rows so that they stay in one class as it grows.
 _VARYING = (
     "sm_b", "sm_t", "sm_s", "Tq", "n_sink", "npk", "nrk", "npv", "nrv",
-    "stop", "n_new", "n_body_tiles", "tiles_per_split", "n_splits", "m_tiles",
+    "stop", "n_new", "n_body_tiles", "tiles_per_split", "n_splits", "n_tail", "m_tiles",
 )
 
 
@@ -60,7 +63,7 @@ def _attn_fwd(
     VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t, VF8, svf_b, svf_h,
     MASK, sm_b, sm_t, sm_s,
     ACC, M_OUT, L_OUT, LENS, cap_len,
-    Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
+    Hkv, Tq, n_sink, npk, nrk, npv, nrv, stop, n_new, n_body_tiles, tiles_per_split, n_splits, n_tail, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BODY: tl.constexpr,
@@ -113,8 +116,8 @@ def _attn_fwd(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    split = pid_s if BODY else n_splits  # the tail's partial result goes last
-    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + split  # (BLOCK_M,)
+    split = pid_s if BODY else n_splits + pid_s  # the tail's partial results go last
+    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + n_tail) + split  # (BLOCK_M,)
     # this (batch row, kv-head)'s places: sink, packed codes / scales / zeros, residual, new tokens
     ks = KS + b * sks_b + h * sks_h
     kc = KC + b * skc_b + h * skc_h
@@ -290,7 +293,7 @@ def _attn_fwd(
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         n_first = tl.cdiv(n_sink, BLOCK_N)
         n_rest = tl.cdiv(tl.maximum(end - body_end, 0), BLOCK_N)
-        for i in range(0, n_first + n_rest):
+        for i in range(pid_s, n_first + n_rest, n_tail):
             start = tl.where(i < n_first, i * BLOCK_N, body_end + (i - n_first) * BLOCK_N)
             limit = tl.where(i < n_first, tl.minimum(n_sink, end), end)
             kpos = start + n  # (BLOCK_N,)

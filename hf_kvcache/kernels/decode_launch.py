@@ -10,7 +10,7 @@ import torch
 
 from . import backend
 from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _partials, _place, _split_k,
-                     _step_counts, fp8_native, on_input_device, operand_copy)
+                     _step_counts, _tail_split, _tail_tiles, fp8_native, on_input_device, operand_copy)
 from .layout import FP8_KINDS, SCALED_KINDS, StaticLayout, StreamTensors
 
 # The split-K partials `decode._combine` reads at a time. A fixed block, not the split count's power of two: the count
@@ -166,7 +166,7 @@ def packed_attention(
     """`softmax(q K^T * scaling) V` over the formats `PackedFormat` describes (fp8, uniform integer groups, KIVI's
     per-channel key blocks, exact) -> `(B, Tq, Hq, D)` in the query dtype: `query (B, Hq, Tq, D)`, per stream
     `codes (B, Hkv, T, D*b/8)` (per-channel keys `(B, Hkv, n, G, D*b/8)`) and scales as `PackedFormat` lays them out.
-    Kernels `decode._attn_fwd` (split-K body programs, one tail program), then `decode._combine`; the arguments as
+    Kernels `decode._attn_fwd` (split-K body programs, then tail programs), then `decode._combine`; the arguments as
     in `dispatch.decode_attention`, which picks this launcher by format."""
     from . import decode
 
@@ -187,7 +187,9 @@ def packed_attention(
     body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     n_body_tiles = body // block_n
     n_splits, tiles_per_split = _split_k(query, n_body_tiles, b * hkv * m_tiles)
-    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
+    n_tail = _tail_split(query, _tail_tiles(block_n, n_sink, n_body_tiles, stop, n_new, static), b * hkv * m_tiles)
+    n_parts = n_splits + n_tail
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_parts, reuse=static is None)
     m_args = _mask_args(attention_mask, dummy)
     dt, prec = _compute_dtype(query)
     pdt = _product_dtype(query, keys, values)
@@ -202,7 +204,7 @@ def packed_attention(
         *m_args,
         part_acc, part_m, part_l, *_length_args(static, dummy),
         hkv, tq, n_sink, keys.n_packed, _len(keys.residual), values.n_packed, _len(values.residual),
-        stop, n_new, n_body_tiles, tiles_per_split, n_splits, m_tiles,
+        stop, n_new, n_body_tiles, tiles_per_split, n_splits, n_tail, m_tiles,
         float(scaling), float(softcap or 0.0),
     ]
     k_gp = _group_fp16(keys.fmt, query.dtype, d, _planes(keys.fmt, d, keys=True))
@@ -229,8 +231,8 @@ def packed_attention(
         decode._attn_fwd[(b * hkv, n_splits, m_tiles)](
             *args, **meta, BODY=True, num_warps=TUNING["num_warps"], num_stages=stages
         )
-    decode._attn_fwd[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
-    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m)
+    decode._attn_fwd[(b * hkv, n_tail, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_parts, m_tiles * block_m)
     return out
 
 

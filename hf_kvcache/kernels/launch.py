@@ -46,6 +46,9 @@ TUNING = {
     # slots written by a packed compare), where the format's values fit fp16 (`NUQFormat.fp16`)
     "nuq_fp16": os.environ.get("HF_KVCACHE_NUQ_FP16", "1") == "1",
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "8")),
+    # the most programs the tail's tiles (the exact tokens, and the packed ones outside whole body tiles) are dealt
+    # to, while the grid is small (`_tail_split`); 1: a single tail program
+    "tail_programs": int(os.environ.get("HF_KVCACHE_TAIL_PROGRAMS", "16")),
     # a decode step's mask row loaded one tile ahead in the body loops (`decode._attn_fwd`, `turbo._turbo_attn`)
     "mask_ahead": os.environ.get("HF_KVCACHE_MASK_AHEAD", "1") == "1",
     # integer codes split by inline PTX, two elements a 32-bit register (`tiles.plane_asm`): bit planes
@@ -171,6 +174,18 @@ def _copy_fields(out: dict[str, torch.Tensor], fields: list[torch.Tensor], names
         out[name].copy_(value)
 
 
+def _tail_tiles(block_n: int, n_sink: int, n_body_tiles: int, stop: int, n_new: int,
+                static: StaticLayout | None) -> int:
+    """The tiles of `block_n` tokens the tail reads (`decode._attn_fwd`, BODY=False): the sinks' and those from the
+    body's end to the last token. `static` (lengths on the device): a bound for every length, from the places'
+    sizes: the body ends at most one ring and a tile short of the held tokens."""
+    if static is not None:
+        ring = max(static.key_ring, static.value_ring)
+        return -(-static.sink_tokens // block_n) + -(-(ring + block_n - 1 + n_new) // block_n)
+    rest = max(stop + n_new - n_sink - n_body_tiles * block_n, 0)
+    return -(-n_sink // block_n) + -(-rest // block_n)
+
+
 def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int]:
     """Split-K sizing: (n_splits, tiles_per_split) for `n_tiles` tiles of packed tokens and `programs` programs per
     split; on CUDA about `programs_per_sm` programs per multiprocessor, each split at least `min_tiles_per_split`
@@ -183,6 +198,18 @@ def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int
     tiles_per_split = math.ceil(n_tiles / n_splits) if n_splits else 0
     n_splits = math.ceil(n_tiles / tiles_per_split) if n_splits else 0
     return n_splits, tiles_per_split
+
+
+def _tail_split(query: torch.Tensor, n_tiles: int, programs: int) -> int:
+    """How many programs the tail's `n_tiles` tiles (at most; an upper bound where lengths come from the device) are
+    dealt to, for `programs` programs per tail program: on CUDA, up to `tail_programs` while the grid stays within
+    half of `programs_per_sm` programs a multiprocessor (a decode step's few rows; each tail program has a partial
+    result of its own, and a prefill chunk's grid, 1024 programs for 2048 tokens of 32 query heads, keeps one); one
+    elsewhere."""
+    if not (query.is_cuda and n_tiles > 1):
+        return 1
+    room = TUNING["programs_per_sm"] * _multiprocessors(query.device.index or 0) // (2 * programs)
+    return max(1, min(n_tiles, TUNING["tail_programs"], room))
 
 
 # Split-K workspaces by (CUDA stream, rows, parts, D), reused from call to call without a storage layout (the kernel

@@ -176,6 +176,51 @@ def test_the_combine_reads_any_number_of_parts_in_one_variant(frame):
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("spec,kwargs", [s for s, i in zip(SPECS, IDS) if i in ("int4-g32-hard", "kivi-2-hard")],
+                         ids=["int4-g32-hard", "kivi-2-hard"])
+@pytest.mark.parametrize("steps", [(150, 1, 1), (100, 9)], ids=["decode", "chunk"])
+def test_the_tail_dealt_to_several_programs(monkeypatch, spec, kwargs, steps):
+    """The tail's tiles (sinks, packed tokens outside whole body tiles, the residual, new tokens) dealt to two
+    programs, each with a partial result of its own (`launch._tail_split`; on the interpreter one program unless
+    forced, as here): a program reads two tiles or more, and at some step one may read none."""
+    from hf_kvcache.kernels import decode_launch
+
+    dealt = []
+
+    def two(query, n_tiles, programs):
+        dealt.append(n_tiles)
+        return 2
+
+    monkeypatch.setattr(decode_launch, "_tail_split", two)
+    _compare(spec, kwargs, steps=steps)
+    assert max(dealt) >= 3, f"the tail had {dealt} tiles: too few to deal out"
+
+
+@pytest.mark.parametrize("sinks,k_ring,v_ring,k_window,block_n", [(3, 32, 32, False, 32), (2, 3, 3, True, 64),
+                                                                    (0, 128, 128, False, 32), (1, 64, 64, True, 128)])
+def test_the_tail_bound_of_a_static_launch_covers_every_length(sinks, k_ring, v_ring, k_window, block_n):
+    """A launch sized for the capacity (`StaticLayout`, lengths on the device) deals `launch._tail_tiles`' bound of
+    tiles to its tail programs: never fewer than the tail has at any length (the split of `tiles.static_places`; KIVI's
+    keys flushed by block beside values in a FIFO window; a FIFO window each; TurboQuant's sizes)."""
+    from hf_kvcache.kernels.launch import _tail_tiles
+    from hf_kvcache.kernels.layout import StaticLayout
+
+    def places(after, ring, window):
+        packed = after if not ring else (max(after - ring, 0) if window else after // ring * ring)
+        return packed
+
+    for n_new in (0, 1, 9):
+        layout = StaticLayout(length=torch.zeros((), dtype=torch.long), capacity=4096, sink_tokens=sinks,
+                              key_ring=k_ring, value_ring=v_ring, key_window=k_window, value_window=True)
+        bound = _tail_tiles(block_n, 0, 0, 0, n_new, layout)
+        for held in range(n_new, 1200):
+            n_sink = min(held, sinks)
+            after = held - n_sink
+            body = max(min(places(after, k_ring, k_window), places(after, v_ring, True), held - n_new - n_sink), 0)
+            tiles = -(-n_sink // block_n) + -(-(held - n_sink - body // block_n * block_n) // block_n)
+            assert tiles <= bound, f"{held} tokens held: {tiles} tail tiles, bound {bound}"
+
+
 @pytest.mark.parametrize("spec,kwargs", SPECS[:7], ids=IDS[:7])
 def test_chunk_of_queries_with_padding_mask(spec, kwargs):
     """q_len > 1 over a stored past (chunked prefill / speculative verification), left padding in row 0."""
