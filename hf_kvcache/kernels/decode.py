@@ -313,10 +313,10 @@ def _attn_fwd(
     tl.store(L_OUT + part, l_i)
 
 
-@triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "rows_pad"))
+@triton.jit(do_not_specialize=("so_b", "so_t", "so_h", "Tq", "n_parts", "n_framed", "rows_pad"))
 def _combine(
     ACC, M_IN, L_IN, OUT, so_b, so_t, so_h, SAUX, FV, sfv_d, ORDER, sor_b, sor_h,
-    Hkv, Tq, n_parts, rows_pad,
+    Hkv, Tq, n_parts, n_framed, rows_pad,
     G: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, HAS_SAUX: tl.constexpr, FRAME: tl.constexpr = False,
     HAS_ORDER: tl.constexpr = False,
 ):
@@ -324,9 +324,10 @@ def _combine(
     a time (a fixed block: one kernel variant whatever the split count, which grows with the context) in one pass
     that rescales what it summed whenever the running max grows (each block's loads wait on the last's: a batch-1
     read of 32k tokens has over a hundred parts, and two passes of blocks of 16 took 11-19 us a layer there on an
-    H100, 2026-12-07). FRAME (TurboQuant, `turbo.py`): every part but the last (the tail's) is in the values' frame F = P R
-    (`layout.CodebookFormat`) and is summed, then rotated back by R^T (z_c = sum_j o'_j R[c, j]) and put back in
-    the model's channel order (HAS_ORDER: channel `ORDER[b, h, c]` takes z_c) before the tail's part is added."""
+    H100, 2026-12-07). FRAME (TurboQuant, `turbo.py`): the first `n_framed` parts (the body's) are in the values' frame
+    F = P R (`layout.CodebookFormat`) and are summed, then rotated back by R^T (z_c = sum_j o'_j R[c, j]) and put back
+    in the model's channel order (HAS_ORDER: channel `ORDER[b, h, c]` takes z_c); the others (the tail programs'), in
+    the model's frame, are summed apart, each lane taking the channel it writes, and added after."""
     pid = tl.program_id(0)
     rows = Tq * G
     bh = (pid // rows).to(tl.int64)
@@ -341,6 +342,10 @@ def _combine(
         mx = tl.maximum(mx, aux)
     total = tl.zeros((), tl.float32)
     out = tl.zeros((D,), tl.float32)
+    tails = tl.zeros((D,), tl.float32)  # FRAME: the tail programs' sum, lane d at the channel it writes
+    c = d  # the output channel of each lane
+    if FRAME and HAS_ORDER:
+        c = tl.load(ORDER + b * sor_b + h * sor_h + d).to(tl.int32)
     for s0 in range(0, n_parts, NP):
         sp = s0 + tl.arange(0, NP)
         ok = sp < n_parts
@@ -351,21 +356,20 @@ def _combine(
         w = tl.exp2(m - safe)
         total = total * alpha + tl.sum(w * tl.load(L_IN + base + sp, mask=ok, other=0.0), 0)
         if FRAME:
-            w = tl.where(sp == n_parts - 1, 0.0, w)  # (the tail's part is added below, in the model's frame)
-        out = out * alpha + tl.sum(tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-                                   * w[:, None], 0)
+            tail = sp >= n_framed
+            x = tl.load(ACC + (base + sp)[:, None] * D + tl.where(tail[:, None], c[None, :], d[None, :]),
+                        mask=ok[:, None], other=0.0)
+            out = out * alpha + tl.sum(x * tl.where(tail, 0.0, w)[:, None], 0)
+            tails = tails * alpha + tl.sum(x * tl.where(tail, w, 0.0)[:, None], 0)
+        else:
+            out = out * alpha + tl.sum(tl.load(ACC + (base + sp)[:, None] * D + d[None, :], mask=ok[:, None],
+                                               other=0.0) * w[:, None], 0)
         mx = grown
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     if HAS_SAUX:
-        total += tl.exp2(aux - mx_safe)
-    c = d  # the output channel of each lane
+        total += tl.exp2(aux - tl.where(mx == float("-inf"), 0.0, mx))
     if FRAME:
-        if HAS_ORDER:
-            c = tl.load(ORDER + b * sor_b + h * sor_h + d).to(tl.int32)
         f = tl.load(FV + d[:, None] * sfv_d + d[None, :])  # R[c, j]
-        tail_acc = tl.load(ACC + (base + n_parts - 1) * D + c)  # the tail's, in the model's channel order
-        tail_w = tl.exp2(tl.load(M_IN + base + n_parts - 1) - mx_safe)
-        out = tl.sum(f * out[None, :], 1) + tail_acc * tail_w
+        out = tl.sum(f * out[None, :], 1) + tails
     out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
     t = r // G
     tl.store(OUT + b * so_b + t * so_t + (h * G + r % G) * so_h + c, out.to(OUT.dtype.element_ty))

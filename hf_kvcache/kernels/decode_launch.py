@@ -260,9 +260,10 @@ def _fmt_meta(keys: StreamTensors, values: StreamTensors, head_dim: int, device:
 
 
 def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_parts: int, rows_pad: int,
-             frame: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
-    """The split-K partials into `out (B, Tq, Hq, D)`; `frame` (the values' `(R, order)`, TurboQuant): every part but
-    the last (the tail's) is in the values' frame and is taken back by F_v^T."""
+             frame: tuple[torch.Tensor, torch.Tensor | None] | None = None, n_framed: int | None = None) -> None:
+    """The split-K partials into `out (B, Tq, Hq, D)`; `frame` (the values' `(R, order)`, TurboQuant): the first
+    `n_framed` parts (the body's; all but the last if None) are in the values' frame and are taken back by F_v^T, the
+    others (the tail programs') are in the model's."""
     from . import decode
 
     if frame is None:
@@ -276,7 +277,8 @@ def _combine(part_acc, part_m, part_l, out, s_aux, hkv: int, tq: int, g: int, n_
         frame_args = [rot, rot.stride(0), *order_args]
     decode._combine[(out.shape[0] * hkv * tq * g,)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2),
-        s_aux if s_aux is not None else part_m, *frame_args, hkv, tq, n_parts, rows_pad,
+        s_aux if s_aux is not None else part_m, *frame_args, hkv, tq, n_parts,
+        n_parts - 1 if n_framed is None else n_framed, rows_pad,
         G=g, D=out.shape[-1], NP=COMBINE_PARTS, HAS_SAUX=s_aux is not None,
         FRAME=frame is not None, HAS_ORDER=has_order, num_warps=4,
     )

@@ -9,9 +9,9 @@ in the frame, with `n_{p,t}` the length and `c_p` the codebook of part p,
     s_t = sum_p n_{p,t} (q'_p . c_p[code_{p,t}]),      o'_p = sum_t softmax(s)_t n_{p,t} c_p[code_{p,t}]
 
 the lengths applied to the scores and to the softmax weights, outside the products, which take the bare centroids.
-Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), one
-tail program over the exact tokens (sinks, residual, new tokens, read where they lie) in the model's own frame, and
-the combine kernel (`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tail's.
+Work split as in `decode.py`: split-K body programs over tiles of packed tokens (a last partial tile masked), tail
+programs over the exact tokens (sinks, residual, new tokens, read where they lie) in the model's own frame, and
+the combine kernel (`decode._combine` with FRAME) that rotates the body's sum back by F^T before adding the tails'.
 The storage's layout (STATIC, `hf_kvcache.storage`) takes every count from the device's length, as `decode.py` does,
 so that one CUDA graph serves every step (`torch.ops.hf_kvcache.static_turbo_attention` under torch.compile). No
 product with F runs inside a program: an exact fp32 one there (Triton's FMA path) cost ~60 us a program on the H200
@@ -116,7 +116,7 @@ def _lengths(kna, knb, vna, vnb, tok, ok, skna_t, sknb_t, svna_t, svnb_t, K_TWO:
 
 # as `decode._VARYING`: integers that change from step to step are not specialized (no recompiles between tokens)
 _VARYING = ("sm_b", "sm_t", "sm_s", "Tq", "n_sink", "n_body", "stop", "n_new", "tiles_per_split", "n_splits",
-            "m_tiles")
+            "n_tail", "m_tiles")
 
 
 @triton.jit(do_not_specialize=_VARYING)
@@ -130,7 +130,7 @@ def _turbo_attn(
     VS, svs_b, svs_h, svs_t, VR, svr_b, svr_h, svr_t, VN, svn_b, svn_h, svn_t,
     MASK, sm_b, sm_t, sm_s,
     ACC, M_OUT, L_OUT, LENS, cap_len,
-    Hkv, Tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, m_tiles,
+    Hkv, Tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, n_tail, m_tiles,
     sm_scale, softcap,
     D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL_N: tl.constexpr,
     DT: tl.constexpr, PDT: tl.constexpr, PREC: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
@@ -177,8 +177,8 @@ def _turbo_attn(
     d = tl.arange(0, D)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    split = pid_s if BODY else n_splits
-    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + 1) + split
+    split = pid_s if BODY else n_splits + pid_s  # the tail programs' partial results go last
+    part = (pid_bh.to(tl.int64) * (m_tiles * BLOCK_M) + rows) * (n_splits + n_tail) + split
     if BODY:
         K_WB: tl.constexpr = D - K_WA if K_TWO else K_WA  # (a single part: B is never read)
         V_WB: tl.constexpr = D - V_WA if V_TWO else V_WA
@@ -333,7 +333,7 @@ def _turbo_attn(
         vn = VN + b * svn_b + h * svn_h
         body_end = n_sink + n_body
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for i in range(0, tl.cdiv(s_total - n_body, TAIL_N)):
+        for i in range(pid_s, tl.cdiv(s_total - n_body, TAIL_N), n_tail):  # tile i to program i mod n_tail
             e = i * TAIL_N + n  # the i-th exact token: sinks, then past the body
             ok = e < s_total - n_body
             kpos = tl.where(e < n_sink, e, e + n_body)

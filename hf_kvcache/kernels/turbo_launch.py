@@ -14,7 +14,7 @@ from . import backend
 from .decode_launch import _combine
 from .hadamard_launch import rotate_rows
 from .launch import (TUNING, _compute_dtype, _len, _length_args, _mask_args, _partials, _place, _split_k,
-                     _step_counts, head_dim_ok, on_input_device, operand_copy)
+                     _step_counts, _tail_split, head_dim_ok, on_input_device, operand_copy)
 from .layout import StaticLayout, StreamTensors
 
 
@@ -157,11 +157,14 @@ def turbo_attention(
     lookup = turbo.LOOKUP_REGISTERS if pdt == torch.float16 and TUNING["turbo_lookup"] == "registers" else \
         turbo.LOOKUP_LOAD
 
-    block_n = TUNING["turbo_block_n"]
+    block_n, tail_n = TUNING["turbo_block_n"], 16
     block_m = 16 if tq * g <= 16 else (32 if tq * g <= 32 else 64)
     m_tiles = turbo.triton.cdiv(tq * g, block_m)
     n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles)
-    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + 1, reuse=static is None)
+    # the tail's tiles of exact tokens; a static launch's bound: every sink, the ring and the new tokens
+    exact = stop + n_new - n_body if static is None else static.sink_tokens + static.key_ring + n_new
+    n_tail = _tail_split(query, turbo.triton.cdiv(max(exact, 0), tail_n), b * hkv * m_tiles)
+    part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_splits + n_tail, reuse=static is None)
 
     table_dtype = None if lookup == turbo.LOOKUP_REGISTERS else pdt
     k_args, k_meta = codebook_args(keys, k_new, table_dtype)
@@ -176,12 +179,13 @@ def turbo_attention(
         *_place(keys.sink, k_new), *_place(keys.residual, k_new), *_place(new_k, k_new),
         *_place(values.sink, k_new), *_place(values.residual, k_new), *_place(new_v, k_new),
         *_mask_args(attention_mask, k_new), part_acc, part_m, part_l, *_length_args(static, k_new),
-        hkv, tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, m_tiles, float(scaling), float(softcap or 0.0),
+        hkv, tq, n_sink, n_body, stop, n_new, tiles_per_split, n_splits, n_tail, m_tiles, float(scaling),
+        float(softcap or 0.0),
     ]
     k_planes, v_planes = _planes_of(kf, d, keys=True), _planes_of(vf, d, keys=False)
     registers = lookup == turbo.LOOKUP_REGISTERS
     meta = dict(
-        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_N=16, DT=dt,
+        D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_N=tail_n, DT=dt,
         PDT=turbo.tl.float16 if pdt == torch.float16 else dt,
         PREC=prec, HAS_MASK=attention_mask is not None, MASK_ROW=tq == 1, MASK_AHEAD=TUNING["mask_ahead"],
         HAS_SOFTCAP=softcap is not None, CAUSAL_BODY=attention_mask is None and not exact_new and tq > 1, LOOKUP=lookup,
@@ -198,8 +202,8 @@ def turbo_attention(
         turbo._turbo_attn[(b * hkv, n_splits, m_tiles)](
             *args, **meta, BODY=True, num_warps=TUNING["turbo_num_warps"], num_stages=TUNING["turbo_num_stages"],
             **cap)
-    turbo._turbo_attn[(b * hkv, 1, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
+    turbo._turbo_attn[(b * hkv, n_tail, m_tiles)](*args, **meta, BODY=False, num_warps=4, num_stages=2)
     out = torch.empty((b, tq, hq, d), device=device, dtype=query.dtype)
-    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + 1, m_tiles * block_m,
-             frame=vf.frame(device))
+    _combine(part_acc, part_m, part_l, out, s_aux, hkv, tq, g, n_splits + n_tail, m_tiles * block_m,
+             frame=vf.frame(device), n_framed=n_splits)
     return out

@@ -138,11 +138,12 @@ def test_magic_number_planes_are_exact(bits, dtype):
     assert torch.equal(out, want.float())
 
 
-@pytest.mark.parametrize("frame", [False, True], ids=["plain", "frame"])
-def test_the_combine_reads_any_number_of_parts_in_one_variant(frame):
+@pytest.mark.parametrize("frame,tails", [(False, 0), (True, 1), (True, 3)], ids=["plain", "frame", "frame-3-tails"])
+def test_the_combine_reads_any_number_of_parts_in_one_variant(frame, tails):
     """`decode_launch._combine` over more split-K partials than its block (`COMBINE_PARTS`), some of them empty (a
-    running max of -inf), against the same sums in PyTorch; with `frame` (TurboQuant's) every part but the last is
-    rotated back by R^T and put in channel order. On the interpreter a cache's decode never splits this much."""
+    running max of -inf), against the same sums in PyTorch; with `frame` (TurboQuant's) every part but the last
+    `tails` (the tail programs', in the model's frame) is rotated back by R^T and put in channel order. On the
+    interpreter a cache's decode never splits this much."""
     from hf_kvcache.kernels import decode_launch
 
     hkv, tq, g, d, b = 2, 1, 3, 64, 2
@@ -158,16 +159,17 @@ def test_the_combine_reads_any_number_of_parts_in_one_variant(frame):
     rot, order = torch.linalg.qr(torch.randn(d, d, generator=gen))[0], torch.stack(
         [torch.randperm(d, generator=gen) for _ in range(b * hkv)]).view(b, hkv, d).int()
     rot, order = rot.contiguous().to(DEVICE), order.to(DEVICE)
-    decode_launch._combine(acc, m, lsum, out, None, hkv, tq, g, n_parts, tq * g, (rot, order) if frame else None)
+    decode_launch._combine(acc, m, lsum, out, None, hkv, tq, g, n_parts, tq * g, (rot, order) if frame else None,
+                           n_framed=n_parts - tails if frame else None)
 
     w = torch.exp2(m - m.view(rows, n_parts).amax(1).repeat_interleave(n_parts)).view(rows, n_parts)
     parts = acc.view(rows, n_parts, d)
     if frame:
-        body = (w[:, :-1, None] * parts[:, :-1]).sum(1) @ rot.T  # (rows, D) in the model's channels, z_c
+        body = (w[:, :-tails, None] * parts[:, :-tails]).sum(1) @ rot.T  # (rows, D) in the model's channels, z_c
         want = torch.zeros_like(body)
         idx = order.view(b * hkv, 1, d).expand(-1, tq * g, -1).reshape(rows, d).long()
         want.scatter_(1, idx, body)
-        want += w[:, -1:] * parts[:, -1]
+        want += (w[:, -tails:, None] * parts[:, -tails:]).sum(1)
     else:
         want = (w[:, :, None] * parts).sum(1)
     want = want / (w * lsum.view(rows, n_parts)).sum(1, keepdim=True)

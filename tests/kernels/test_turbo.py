@@ -36,6 +36,24 @@ def test_decode_step_matches_reference(spec, kwargs):
     _compare(spec, kwargs, steps=(70, 1))
 
 
+@pytest.mark.parametrize("steps", [(70, 1), (100, 9)], ids=["decode", "chunk"])
+def test_the_tail_dealt_to_several_programs(monkeypatch, steps):
+    """The exact tokens dealt to two tail programs (`launch._tail_split`, forced: on the interpreter one program), each
+    a partial result in the model's frame, which the combine adds after rotating the body's back (the energy split's
+    channel order, sinks, a window)."""
+    from hf_kvcache.kernels import turbo_launch
+
+    dealt = []
+
+    def two(query, n_tiles, programs):
+        dealt.append(n_tiles)
+        return 2
+
+    monkeypatch.setattr(turbo_launch, "_tail_split", two)
+    _compare("turboquant-3", {"sink_tokens": 3, "residual_length": 30}, steps=steps)
+    assert max(dealt) >= 3, f"the tail had {dealt} tiles: too few to deal out"
+
+
 def test_chunk_of_queries_with_padding_mask():
     steps = (100, 9)
     s = sum(steps)
