@@ -185,6 +185,14 @@ class StreamStorage:
         held token 0 (a 0-dim device tensor once a sliding layer let tokens go, else 0); `pads (B,)`: each row's left
         padding, the sequence indices below it are padding. `start`: `p[0]` as a host int, in eager code (None while
         tracing or capturing a graph)."""
+        if (start is None and x.shape[2] == 1 and not _compiling() and kernels.use_kernels(x.device)
+                and kernels.ops.TUNING["token_places"]):
+            self._write_token(x, p, pads, offset)
+        else:
+            self._write(x, p, pads, offset, start)
+
+    def _write(self, x: torch.Tensor, p: torch.Tensor, pads: torch.Tensor | None, offset, start: int | None) -> None:
+        """`write` with its index arithmetic in PyTorch operations (every write but one token with `start` unknown)."""
         s, r = self.sink_tokens, self.ring_length
         if start is not None and start < s:  # eager: the sinks' share of the write, then the rest if any
             k = min(s - start, x.shape[2])
@@ -224,6 +232,54 @@ class StreamStorage:
             rows = torch.where(stored, last % r, r)
             self.ring.index_copy_(2, rows, x[:, :, t - keep:])
             self.ring_index.index_copy_(0, rows, last)
+
+    def _write_token(self, x: torch.Tensor, p: torch.Tensor, pads: torch.Tensor | None, offset) -> None:
+        """One token `x (B, H, 1, D)` at held index `p (1,)`, with `start` unknown (a decode step captured in a layer's
+        CUDA graph): what `write` does, its index arithmetic in one launch (`kernels.ops.token_places`) instead of the
+        ~15-35 small PyTorch kernels a stream it takes there, each ~1 us of a replayed step's GPU time. The same rows
+        are written, but for a block not yet complete (KIVI's, whose kernel writes zeros for it without reading its
+        tokens): the ring takes the token first and the block's tokens all come from it."""
+        from .kernels import pack
+
+        s = self.sink_tokens
+        g = self.codec.block_size if self.block else 1
+        mode = self._place_mode()
+        places = self.token_places(p)
+        gp = (len(places) - 8) // 2
+        src, held = places[8 : 8 + g], places[8 + gp : 8 + gp + g]
+        if s:
+            self.sink.index_copy_(2, places[0:1], x)
+        extra = {}
+        if mode == pack.PLACE_BLOCK:
+            self._ring_token(x, places)
+            tokens = self.ring.index_select(2, src)
+            if getattr(self.codec, "skips_incomplete_blocks", False):  # the flag's low byte, as a bool
+                extra["complete"] = places[4:5].view(torch.uint8)[:1].view(torch.bool)
+        else:
+            tokens = self.ring.index_select(2, src) if mode == pack.PLACE_WINDOW else x
+            extra = self._positions(held, offset, pads, x.shape[0])
+        fields = self._encode(tokens, self._valid(held, offset, pads), **extra)
+        for k, v in fields.items():
+            self.packed[k].index_copy_(2, places[1:2], v)
+        if mode == pack.PLACE_WINDOW:  # after the token leaving the window was read from its row
+            self._ring_token(x, places)
+
+    def _place_mode(self) -> int:
+        from .kernels import pack
+
+        return pack.PLACE_BLOCK if self.block else pack.PLACE_WINDOW if self.window else pack.PLACE_PLAIN
+
+    def token_places(self, p: torch.Tensor) -> torch.Tensor:
+        """Where one new token at held index `p (1,)` goes, one launch (`kernels.ops.token_places`, whose layout it
+        returns); `warmup.calls` launches it too, for the graphed decode steps that eager calls do not make."""
+        g = self.codec.block_size if self.block else 1
+        return kernels.ops.token_places(p, self.sink_tokens, self.ring_length, g, self._place_mode(), self.rows,
+                                        self.capacity)
+
+    def _ring_token(self, x: torch.Tensor, places: torch.Tensor) -> None:
+        """`_write_token`'s token into its ring row (`places[2]`) and its index past the sinks into `ring_index`."""
+        self.ring.index_copy_(2, places[2:3], x)
+        self.ring_index.index_copy_(0, places[2:3], places[3:4])
 
     def _pack_leaving(self, x: torch.Tensor, p: torch.Tensor, pads: torch.Tensor | None, offset) -> None:
         """FIFO window: pack the tokens this write pushes out of the window, `j = i - R` for each new token i, from

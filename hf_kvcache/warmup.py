@@ -84,6 +84,11 @@ def calls(model, cache, ids: torch.Tensor, mask: torch.Tensor, prefill_chunk_siz
     batch = ids.shape[0]
     model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                    prefill_chunk_size=prefill_chunk_size, disable_compile=True, **_compat.cache_kwargs(cache))
+    # what a decode step captured in a layer's CUDA graph launches and an eager one does not: its token's places
+    for layer in getattr(cache, "layers", ()):
+        for stream in getattr(layer, "streams", {}).values():
+            if stream.capacity:
+                stream.token_places(torch.zeros(1, dtype=torch.long, device=device))
     yield "prompt", ids.shape[1]
     for n in turns:
         turn = torch.randint(0, vocab, (batch, n), generator=generator).to(device)

@@ -12,7 +12,9 @@
 #                                 beside DynamicCache's (scripts/profile_batch1.py prefill)
 #   bash scripts/gpu_next.sh G    after the batch-1 kernel changes (8 tiles a split, the one-pass combine, narrow rotation
 #                                 blocks): CUDA checks, the step's kernels, one layer at 1 and 16 x 32k, then B
-#   bash scripts/gpu_next.sh H    one layer at batch 1 x 32k over warps, stages and longer splits (kivi-2, turboquant-4)
+#   bash scripts/gpu_next.sh H    one layer at batch 1 and 16 x 32k, the tail dealt to one program against up to 16
+#                                 (two rounds each); a graphed step's kernels with its token placed by PyTorch's
+#                                 operations and by one launch; then batch 1 over warps, stages and longer splits
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -90,12 +92,24 @@ G)
   bash "$0" B
   ;;
 H)
+  # the tail dealt to one program (as before 74a09a9) against the default (up to 16), then warps, stages, split length
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode.py tests/kernels/test_turbo.py \
+    -k "tail or combine" 2>&1 | tee "$OUT/h0_tests.log" | tail -3
+  for tp in 1 16 1 16; do
+    HF_KVCACHE_TAIL_PROGRAMS=$tp timeout 100 hf-kvcache bench --parts kernel --batches 1,16 --contexts 32768 \
+      --methods fp8-e4m3,int4-g32,kivi-4,kivi-2,turboquant-4,turboquant-3 --json "$OUT/h1_tail$tp.json" 2>&1 \
+      | sed "s/^/tail programs $tp: /" | tee -a "$OUT/h1_tail.log" | grep "us  x"
+  done
+  # a graphed step's token placed by PyTorch's operations (HF_KVCACHE_TOKEN_PLACES=0) against one launch
+  for tp in 0 1; do
+    HF_KVCACHE_TOKEN_PLACES=$tp timeout 100 python3 scripts/profile_batch1.py 32768 kivi-2 turboquant-4 fp8-e4m3 2>&1 \
+      | sed "s/^/token places $tp: /" | tee -a "$OUT/h2_places.log" | grep -A6 "=="
+  done
   for knobs in "2 3 8" "4 3 8" "2 2 8" "2 4 8" "2 3 16"; do
     set -- $knobs
     HF_KVCACHE_NUM_WARPS=$1 HF_KVCACHE_NUM_STAGES=$2 HF_KVCACHE_MIN_TILES_PER_SPLIT=$3 timeout 90 hf-kvcache bench \
-      --parts kernel --batches 1 --contexts 32768 --methods fp8-e4m3,kivi-2,turboquant-4 \
-      --json "$OUT/h_w$1_s$2_mt$3.json" 2>&1 | sed "s/^/warps $1 stages $2 min_tiles $3: /" | tee -a "$OUT/h_knobs.log" \
-      | grep "us  x"
+      --parts kernel --batches 1 --contexts 32768 --methods fp8-e4m3,kivi-2,turboquant-4 2>&1 \
+      | sed "s/^/warps $1 stages $2 min_tiles $3: /" | tee -a "$OUT/h3_knobs.log" | grep "us  x"
   done
   ;;
 esac

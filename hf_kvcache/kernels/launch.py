@@ -76,6 +76,9 @@ TUNING = {
     # outputs through shared memory: 51.9 -> 38.5 warp instructions a held token for sm_90 (`hf-kvcache bench --parts
     # sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
     "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "1") == "1",
+    # a graphed decode step's token placed by one launch (`storage.StreamStorage._write_token`), or ("0", to measure)
+    # by the PyTorch operations of any other write
+    "token_places": os.environ.get("HF_KVCACHE_TOKEN_PLACES", "1") == "1",
     # FP8 conversions: "auto" (the hardware's where the target has them, sm_89 on; integer operations on the bits
     # before), or "bits" everywhere (to check pre-Ada's path on any GPU, and on the interpreter)
     "fp8_convert": os.environ.get("HF_KVCACHE_FP8_CONVERT", "auto"),

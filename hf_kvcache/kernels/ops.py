@@ -10,7 +10,7 @@ from .dispatch import decode_attention, static_decode_attention, supports
 from .hadamard_launch import hadamard, rotate_rows, rows_times
 from .launch import TUNING, _compute_dtype, _place, head_dim_ok, on_input_device
 from .nuq_launch import nuq_attention, pack_nuq
-from .pack_launch import pack_fp8, pack_per_channel, pack_per_token, pack_turbo
+from .pack_launch import pack_fp8, pack_per_channel, pack_per_token, pack_turbo, token_places
 from .turbo_launch import _codebook_table, _into_frame, codebook_args, turbo_attention
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "rows_times",
     "static_decode_attention",
     "supports",
+    "token_places",
     "turbo_attention",
     # argument builders that `hf_kvcache.prefill`'s workspace launchers use, and details the kernel tests check
     "_codebook_table",

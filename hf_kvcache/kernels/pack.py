@@ -274,3 +274,49 @@ def _pack_turbo(
         norm = tl.math.div_rn(norm * uc, tl.maximum(cc, 1e-30))
     norm = tl.minimum(norm, 65504.0)  # (fp16's largest value)
     tl.store(NRM + b * sn_b + h * sn_h + tok * sn_t, norm.to(tl.float16), mask=ok)
+
+
+PLACE_PLAIN = 0  # every token packed (no ring)
+PLACE_WINDOW = 1  # a FIFO window: the token leaving it is packed
+PLACE_BLOCK = 2  # a window flushed in blocks (KIVI's keys): the block the token falls in is packed
+
+
+@triton.jit(do_not_specialize=("rows", "capacity"))
+def _token_places(P, OUT, rows, capacity, S: tl.constexpr, R: tl.constexpr, G: tl.constexpr, MODE: tl.constexpr,
+                  GP: tl.constexpr):
+    """Where one new token of a stream goes, from its held index `P[0]` (a device int64): the index arithmetic of
+    `storage.StreamStorage.write` for one token, in one launch, as int64 into `OUT`: [0] the sink row (S: the spare
+    row), [1] the packed row written (`rows`: the spare one), [2] the ring row (R: the spare one; also past
+    `capacity`), [3] the index past the sinks, [4] whether the packed block is complete (PLACE_BLOCK), then GP ring
+    rows to gather the packed tokens from, then their GP held indices (the first G of each used; PLACE_PLAIN: the
+    token itself, from no ring)."""
+    p = tl.load(P)
+    i = p - S
+    k = tl.arange(0, GP)
+    complete = p * 0
+    if MODE == 2:
+        blk = tl.maximum(i, 0) // G
+        idx = blk * G + k  # the block's tokens (the new one is in its ring row before they are gathered)
+        src = idx % R
+        row = tl.where(blk < rows, blk, rows)
+        complete = ((blk + 1) * G <= i + 1).to(tl.int64)
+        held = idx + S
+    elif MODE == 1:
+        j = i - R  # the token leaving the window (none while j < 0: its row is the spare one)
+        src = (j % R + R) % R + k * 0
+        row = tl.where((j >= 0) & (j < rows), j, rows)
+        held = j + S + k * 0
+    else:
+        src = k * 0
+        row = tl.where((i >= 0) & (i < rows), i, rows)
+        held = p + k * 0
+    ring = R + p * 0
+    if R > 0:
+        ring = tl.where((i >= 0) & (p < capacity), i % R, R)
+    tl.store(OUT, tl.minimum(p, S))
+    tl.store(OUT + 1, row)
+    tl.store(OUT + 2, ring)
+    tl.store(OUT + 3, i)
+    tl.store(OUT + 4, complete)
+    tl.store(OUT + 8 + k, src)
+    tl.store(OUT + 8 + GP + k, held)

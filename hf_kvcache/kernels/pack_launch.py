@@ -131,3 +131,16 @@ def pack_turbo(y: torch.Tensor, codes: list[torch.Tensor], norm: torch.Tensor, b
         mids[0], books[0], mids[-1], books[-1], t, h,
         WA=widths[0], WB=widths[-1], BA=bits[0], BB=bits[-1], TWO=two, LSQ=lsq, BLOCK_T=_PACK_BLOCK_T,
     )
+
+
+@on_input_device
+def token_places(p: torch.Tensor, sinks: int, ring: int, block: int, mode: int, rows: int,
+                 capacity: int) -> torch.Tensor:
+    """Where one new token of a stream goes (`pack._token_places`, its layout): `p (1,)` int64, the token's held
+    index, on the device; `mode` a `pack.PLACE_*`, `block` the tokens a packed block holds (1 but PLACE_BLOCK)."""
+    from . import pack
+
+    gp = pack.triton.next_power_of_2(block)
+    out = torch.empty(8 + 2 * gp, dtype=torch.long, device=p.device)
+    pack._token_places[(1,)](p, out, rows, capacity, S=sinks, R=ring, G=block, MODE=mode, GP=gp)
+    return out

@@ -178,9 +178,12 @@ def test_the_combine_reads_any_number_of_parts_in_one_variant(frame, tails):
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("spec,kwargs", [s for s, i in zip(SPECS, IDS) if i in ("int4-g32-hard", "kivi-2-hard")],
-                         ids=["int4-g32-hard", "kivi-2-hard"])
-@pytest.mark.parametrize("steps", [(150, 1, 1), (100, 9)], ids=["decode", "chunk"])
+_HARD = dict(zip(IDS, SPECS))
+
+
+@pytest.mark.parametrize("spec,kwargs,steps", [(*_HARD["int4-g32-hard"], (150, 1, 1)),
+                                               (*_HARD["kivi-2-hard"], (150, 1, 1)), (*_HARD["kivi-2-hard"], (100, 9))],
+                         ids=["int4-g32-decode", "kivi-2-decode", "kivi-2-chunk"])
 def test_the_tail_dealt_to_several_programs(monkeypatch, spec, kwargs, steps):
     """The tail's tiles (sinks, packed tokens outside whole body tiles, the residual, new tokens) dealt to two
     programs, each with a partial result of its own (`launch._tail_split`; on the interpreter one program unless

@@ -57,6 +57,46 @@ def test_pack_kernel_skips_incomplete_blocks():
         assert not part[name][:, :, 1].float().abs().sum()
 
 
+# (spec, its overrides, the prompt: FP8's scale and TurboQuant's channel split come from a first write past the sinks)
+_PLACES = [("kivi-2", {"residual_length": 32, "sink_tokens": 2}, 1),
+           ("fp8-e4m3", {"sink_tokens": 2, "residual_length": 3}, 3), ("int4-g32", {"sink_tokens": 1}, 1)]
+
+
+@pytest.mark.parametrize("spec,kwargs,prompt", _PLACES, ids=["kivi-2-blocks", "fp8-window", "int4-plain"])
+def test_a_graphed_step_places_its_token_in_one_launch(spec, kwargs, prompt):
+    """A decode step captured in a layer's CUDA graph writes its token with the index arithmetic of one launch
+    (`storage.StreamStorage._write_token`, `pack._token_places`): token by token from the sinks on, through KIVI's
+    block flush (a block completed), FIFO windows and plain packing, every place of the pinned storage holds what
+    `write`'s PyTorch operations (`_write`) put there, byte for byte."""
+    from tests.kernels.test_decode import _Model
+
+    if not kernels.interpreting():
+        pytest.skip("the interpreter run; on CUDA every graphed decode step takes it")
+    gen = torch.Generator().manual_seed(0)
+    tokens = [(torch.randn(1, 2, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)) for _ in range(40)]
+    layers = []
+    for one_launch in (True, False):
+        layer = make_cache(spec, _Model(4, 2, 64), **kwargs, max_cache_len=48).layers[0]
+        with kernels.use_backend("triton"):
+            layer.update(*(torch.cat(x, dim=2) for x in zip(*tokens[:prompt])))
+            for k, v in tokens[prompt:]:
+                if one_launch:
+                    layer.store_token(k, v)
+                    continue
+                p = layer.length + torch.arange(1)
+                for name, x in (("keys", k), ("values", v)):
+                    layer.streams[name]._write(x, p, None, 0, None)
+                layer.length.add_(1)
+        layers.append(layer)
+    for name in ("keys", "values"):
+        one, ops = (layer.streams[name] for layer in layers)
+        places = {"sink": (one.sink, ops.sink), "ring": (one.ring, ops.ring),
+                  "ring_index": (one.ring_index, ops.ring_index),
+                  **{k: (one.packed[k], ops.packed[k]) for k in one.packed}}
+        for place, (got, want) in places.items():
+            assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), f"{name} {place}"
+
+
 @pytest.mark.parametrize("spec,easy,hard", CASES[:2] + CASES[-1:], ids=[c[0] for c in CASES[:2] + CASES[-1:]])
 def test_one_launch_reads_rows_of_their_own_lengths(spec, easy, hard):
     """Packed pages (`hf_kvcache.paged`) read requests of different lengths in one launch: `LENS` with a length per
