@@ -15,6 +15,8 @@
 #   bash scripts/gpu_next.sh H    one layer at batch 1 and 16 x 32k, the tail dealt to one program against up to 16
 #                                 (two rounds each); a graphed step's kernels with its token placed by PyTorch's
 #                                 operations and by one launch; then batch 1 over warps, stages and longer splits
+#   bash scripts/gpu_next.sh I    TurboQuant's chunked prefill at batch 1 and 16, its rotations by cuBLAS against
+#                                 `hadamard._rows_times` (HF_KVCACHE_ROWS_CUBLAS=0)
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -110,6 +112,16 @@ H)
     HF_KVCACHE_NUM_WARPS=$1 HF_KVCACHE_NUM_STAGES=$2 HF_KVCACHE_MIN_TILES_PER_SPLIT=$3 timeout 90 hf-kvcache bench \
       --parts kernel --batches 1 --contexts 32768 --methods fp8-e4m3,kivi-2,turboquant-4 2>&1 \
       | sed "s/^/warps $1 stages $2 min_tiles $3: /" | tee -a "$OUT/h3_knobs.log" | grep "us  x"
+  done
+  ;;
+I)
+  # TurboQuant's chunked prefill with its rotations through cuBLAS (the default) and through `_rows_times`
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hadamard.py -k rows_times 2>&1 \
+    | tee "$OUT/i0_tests.log" | tail -2
+  for rc in 1 0; do
+    HF_KVCACHE_ROWS_CUBLAS=$rc timeout 200 hf-kvcache bench --parts prefill --prefill-batches 1,16 \
+      --decode-methods turboquant-4,turboquant-3 --json "$OUT/i1_prefill_cublas$rc.json" 2>&1 \
+      | sed "s/^/rows by cuBLAS $rc: /" | tee -a "$OUT/i1_prefill.log" | grep "chunk  2048"
   done
   ;;
 esac

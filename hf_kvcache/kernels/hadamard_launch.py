@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .backend import interpreting, use_kernels
-from .launch import _compiling, head_dim_ok, on_input_device
+from .launch import TUNING, _compiling, head_dim_ok, on_input_device
 
 
 @on_input_device
@@ -39,9 +39,14 @@ _FEW_ROWS = 512  # rows_times: up to this many rows, columns in blocks of 16
 @on_input_device
 def rows_times(x: torch.Tensor, m: torch.Tensor, _eager: bool = False) -> torch.Tensor:
     """`x (..., D)` -> `x.float() @ m` float32, `m (D, D)` float32 of any strides (its transpose, a view, is the
-    inverse of an orthogonal m), D a power of two up to 256. A Triton kernel rather than cuBLAS, so that a decode step
-    captured in a CUDA graph (`hf_kvcache.graphs`) launches no cuBLAS: cuBLAS would allocate its workspace (32 MiB on
-    Hopper) in the graph's pool for every capture stream, which the cache's bytes do not count."""
+    inverse of an orthogonal m), D a power of two up to 256. A Triton kernel rather than cuBLAS for a few rows (a
+    decode step's) and under torch.compile (`_eager`: its operator), so that a step captured in a CUDA graph
+    (`hf_kvcache.graphs`, or torch.compile's) launches no cuBLAS: cuBLAS would allocate its workspace (32 MiB on Hopper)
+    in the graph's pool for every capture stream, which the cache's bytes do not count. Many rows outside a capture (a
+    prefill chunk's queries, keys and values) take cuBLAS's float32 product, as the model's own layers do on that
+    stream: the kernel's IEEE products run on CUDA cores, 0.84 ms a call for a chunk of 2048 tokens on the H100
+    (2026-12-07, 37% of TurboQuant's prefill GPU time). Its precision is the model's float32 matmuls' (TF32 only where
+    the user turned it on)."""
     from . import hadamard as kernel
 
     if not _eager and _compiling():
@@ -51,6 +56,9 @@ def rows_times(x: torch.Tensor, m: torch.Tensor, _eager: bool = False) -> torch.
     if d < 16 or d > 256 or d & (d - 1) or m.shape != (d, d):
         raise ValueError(f"rows_times takes a power-of-two head_dim in [16, 256] and a (D, D) matrix, got x "
                          f"{tuple(x.shape)} and m {tuple(m.shape)}")
+    if (not _eager and x.is_cuda and x.numel() > _FEW_ROWS * d and TUNING["rows_cublas"]
+            and not torch.cuda.is_current_stream_capturing()):
+        return x.float() @ m.float()
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -76,6 +76,8 @@ TUNING = {
     # outputs through shared memory: 51.9 -> 38.5 warp instructions a held token for sm_90 (`hf-kvcache bench --parts
     # sass`, BENCHMARKS.md 2026-12-05), unmeasured on the GPU
     "turbo_planes": os.environ.get("HF_KVCACHE_TURBO_PLANES", "1") == "1",
+    # a prefill's many rows rotated by cuBLAS's float32 product rather than `hadamard._rows_times` (`rows_times`)
+    "rows_cublas": os.environ.get("HF_KVCACHE_ROWS_CUBLAS", "1") == "1",
     # a graphed decode step's token placed by one launch (`storage.StreamStorage._write_token`), or ("0", to measure)
     # by the PyTorch operations of any other write
     "token_places": os.environ.get("HF_KVCACHE_TOKEN_PLACES", "1") == "1",
