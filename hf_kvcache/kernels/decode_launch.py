@@ -186,7 +186,7 @@ def packed_attention(
     m_tiles = decode.triton.cdiv(rows, block_m)
     body = max(min(keys.n_packed, values.n_packed, stop - n_sink), 0)
     n_body_tiles = body // block_n
-    n_splits, tiles_per_split = _split_k(query, n_body_tiles, b * hkv * m_tiles)
+    n_splits, tiles_per_split = _split_k(query, n_body_tiles, b * hkv * m_tiles, block_n)
     n_tail = _tail_split(query, _tail_tiles(block_n, n_sink, n_body_tiles, stop, n_new, static), b * hkv * m_tiles)
     n_parts = n_splits + n_tail
     part_acc, part_m, part_l = _partials(query, b * hkv * m_tiles * block_m, n_parts, reuse=static is None)

@@ -46,6 +46,11 @@ TUNING = {
     # slots written by a packed compare), where the format's values fit fp16 (`NUQFormat.fp16`)
     "nuq_fp16": os.environ.get("HF_KVCACHE_NUQ_FP16", "1") == "1",
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "8")),
+    # and at least this many tokens (the launchers of `decode.py` and `turbo.py`, whose tiles are 32-128 tokens):
+    # KIVI's 32-token tiles in splits of 16 took 74.7 -> 68.6 us at batch 1 x 32k against 8 (H100, 2026-12-07,
+    # `results/bench__h100__batch1-tail-places__20261207`, h3_knobs.log); 16 tiles of TurboQuant's 128 tokens were
+    # slower (52.5 -> 66.3 us), of fp8's 64 within 2% (52.3 -> 51.1)
+    "min_tokens_per_split": int(os.environ.get("HF_KVCACHE_MIN_TOKENS_PER_SPLIT", "512")),
     # the most programs the tail's tiles (the exact tokens, and the packed ones outside whole body tiles) are dealt
     # to, while the grid is small (`_tail_split`); 1: a single tail program
     "tail_programs": int(os.environ.get("HF_KVCACHE_TAIL_PROGRAMS", "16")),
@@ -191,13 +196,16 @@ def _tail_tiles(block_n: int, n_sink: int, n_body_tiles: int, stop: int, n_new: 
     return -(-n_sink // block_n) + -(-rest // block_n)
 
 
-def _split_k(query: torch.Tensor, n_tiles: int, programs: int) -> tuple[int, int]:
+def _split_k(query: torch.Tensor, n_tiles: int, programs: int, tile_tokens: int | None = None) -> tuple[int, int]:
     """Split-K sizing: (n_splits, tiles_per_split) for `n_tiles` tiles of packed tokens and `programs` programs per
     split; on CUDA about `programs_per_sm` programs per multiprocessor, each split at least `min_tiles_per_split`
-    tiles."""
+    tiles and, given `tile_tokens` (the tokens of a tile), at least `min_tokens_per_split` tokens."""
     if query.is_cuda and n_tiles:
         target = TUNING["programs_per_sm"] * _multiprocessors(query.device.index or 0)
-        n_splits = max(1, min(math.ceil(target / programs), n_tiles // TUNING["min_tiles_per_split"]))
+        least = TUNING["min_tiles_per_split"]
+        if tile_tokens:
+            least = max(least, -(-TUNING["min_tokens_per_split"] // tile_tokens))
+        n_splits = max(1, min(math.ceil(target / programs), n_tiles // least))
     else:
         n_splits = 1 if n_tiles else 0
     tiles_per_split = math.ceil(n_tiles / n_splits) if n_splits else 0

@@ -160,7 +160,8 @@ def turbo_attention(
     block_n, tail_n = TUNING["turbo_block_n"], 16
     block_m = 16 if tq * g <= 16 else (32 if tq * g <= 32 else 64)
     m_tiles = turbo.triton.cdiv(tq * g, block_m)
-    n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles)
+    n_splits, tiles_per_split = _split_k(query, turbo.triton.cdiv(n_body, block_n), b * hkv * m_tiles,
+                                         block_n)
     # the tail's tiles of exact tokens; a static launch's bound: every sink, the ring and the new tokens
     exact = stop + n_new - n_body if static is None else static.sink_tokens + static.key_ring + n_new
     n_tail = _tail_split(query, turbo.triton.cdiv(max(exact, 0), tail_n), b * hkv * m_tiles)
