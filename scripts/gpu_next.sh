@@ -17,6 +17,7 @@
 #                                 operations and by one launch; then batch 1 over warps, stages and longer splits
 #   bash scripts/gpu_next.sh I    TurboQuant's chunked prefill at batch 1 and 16, its rotations by cuBLAS against
 #                                 `hadamard._rows_times` (HF_KVCACHE_ROWS_CUBLAS=0)
+#   bash scripts/gpu_next.sh J    the least of I: batch 1, turboquant-4 with its rotations by cuBLAS
 #   bash scripts/gpu_next.sh D    issue 54: packed pages on CUDA (tests), the serving part of the bench and a profile
 #                                 of one format's run (scripts/profile_serving.py); needs
 #                                 transformers 5.25: carry [".whl525"], made here (git-ignored) by `pip download
@@ -123,5 +124,10 @@ I)
       --decode-methods turboquant-4,turboquant-3 --json "$OUT/i1_prefill_cublas$rc.json" 2>&1 \
       | sed "s/^/rows by cuBLAS $rc: /" | tee -a "$OUT/i1_prefill.log" | grep "chunk  2048"
   done
+  ;;
+J)
+  # the least of I, for a short lease: batch 1, turboquant-4, rotations by cuBLAS, DynamicCache in the same call
+  timeout 150 hf-kvcache bench --parts prefill --prefill-batches 1 --decode-methods turboquant-4 \
+    --json "$OUT/j1_prefill.json" 2>&1 | tee "$OUT/j1_prefill.log" | grep "chunk"
   ;;
 esac
