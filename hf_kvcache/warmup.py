@@ -78,7 +78,8 @@ def calls(model, cache, ids: torch.Tensor, mask: torch.Tensor, prefill_chunk_siz
           generator: torch.Generator | None = None):
     """The calls through `cache` that `warm_up` (and the compiles part) make, one at a time: `generate` of `ids` in
     chunks of `prefill_chunk_size`, `NEW_TOKENS` new tokens, then a forward of each of `turns` random tokens over
-    what is held; yields `("prompt", ids' length)`, then `("turn", n)` after each."""
+    what is held; yields `("prompt", ids' length)`, then `("turn", n)` after each. With the prompt it launches what a
+    decode step captured in a CUDA graph launches and an eager one does not (`StreamStorage.token_places`)."""
     device = model.device
     vocab = _compat.text_config(model.config).vocab_size
     batch = ids.shape[0]

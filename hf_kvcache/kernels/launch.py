@@ -47,13 +47,15 @@ TUNING = {
     "nuq_fp16": os.environ.get("HF_KVCACHE_NUQ_FP16", "1") == "1",
     "min_tiles_per_split": int(os.environ.get("HF_KVCACHE_MIN_TILES_PER_SPLIT", "8")),
     # and at least this many tokens (the launchers of `decode.py` and `turbo.py`, whose tiles are 32-128 tokens):
-    # KIVI's 32-token tiles in splits of 16 took 74.7 -> 68.6 us at batch 1 x 32k against 8 (H100, 2026-12-07,
-    # `results/bench__h100__batch1-tail-places__20261207`, h3_knobs.log); 16 tiles of TurboQuant's 128 tokens were
-    # slower (52.5 -> 66.3 us), of fp8's 64 within 2% (52.3 -> 51.1)
+    # KIVI's 32-token tiles in splits of 16 took 74.7 -> 68.6 us at batch 1 x 32k against 8 (27% -> 28% of fp8-e4m3's
+    # GB/s in the same calls; H100, 2026-12-07, `results/bench__h100__batch1-tail-places__20261207`, h3_knobs.log);
+    # 16 tiles of TurboQuant's 128 tokens were slower (52.5 -> 66.3 us, 52% -> 40%), of fp8's 64 within 2% (52.3 ->
+    # 51.1)
     "min_tokens_per_split": int(os.environ.get("HF_KVCACHE_MIN_TOKENS_PER_SPLIT", "512")),
     # the most programs the tail's tiles (the exact tokens, and the packed ones outside whole body tiles) are dealt
     # to, while the grid is small (`_tail_split`); 1: a single tail program (H100, 2026-12-07, one layer at batch 1 x
-    # 32k, 1 against 16: kivi-2 152.8 -> 75.0 us, turboquant-4 57.5 -> 52.8; batch 16 within 1.5%, kivi-4 +2.6%)
+    # 32k, 1 against 16: kivi-2 152.8 -> 75.0 us, 13% -> 27% of fp8-e4m3's GB/s of its own bytes; turboquant-4 57.5 ->
+    # 52.8, 47% -> 52%; batch 16 within 1.5%, kivi-4 +2.6%)
     "tail_programs": int(os.environ.get("HF_KVCACHE_TAIL_PROGRAMS", "16")),
     # a decode step's mask row loaded one tile ahead in the body loops (`decode._attn_fwd`, `turbo._turbo_attn`)
     "mask_ahead": os.environ.get("HF_KVCACHE_MASK_AHEAD", "1") == "1",

@@ -294,14 +294,14 @@ def _token_places(P, OUT, rows, capacity, S: tl.constexpr, R: tl.constexpr, G: t
     i = p - S
     k = tl.arange(0, GP)
     complete = p * 0
-    if MODE == 2:
+    if MODE == 2:  # PLACE_BLOCK (a jitted function reads no module global)
         blk = tl.maximum(i, 0) // G
         idx = blk * G + k  # the block's tokens (the new one is in its ring row before they are gathered)
         src = idx % R
         row = tl.where(blk < rows, blk, rows)
         complete = ((blk + 1) * G <= i + 1).to(tl.int64)
         held = idx + S
-    elif MODE == 1:
+    elif MODE == 1:  # PLACE_WINDOW
         j = i - R  # the token leaving the window (none while j < 0: its row is the spare one)
         src = (j % R + R) % R + k * 0
         row = tl.where((j >= 0) & (j < rows), j, rows)

@@ -201,27 +201,29 @@ def test_the_tail_dealt_to_several_programs(monkeypatch, spec, kwargs, steps):
     assert max(dealt) >= 3, f"the tail had {dealt} tiles: too few to deal out"
 
 
-@pytest.mark.parametrize("sinks,k_ring,v_ring,k_window,block_n", [(3, 32, 32, False, 32), (2, 3, 3, True, 64),
-                                                                    (0, 128, 128, False, 32), (1, 64, 64, True, 128)])
-def test_the_tail_bound_of_a_static_launch_covers_every_length(sinks, k_ring, v_ring, k_window, block_n):
+@pytest.mark.parametrize("spec,kwargs,block_n", [("kivi-2", {"sink_tokens": 3, "residual_length": 32}, 32),
+                                                 ("fp8-e4m3", {"sink_tokens": 2, "residual_length": 3}, 64),
+                                                 ("kivi-2", {"sink_tokens": 0, "residual_length": 128}, 32),
+                                                 ("turboquant-4", {}, 128)],
+                         ids=["kivi-2-blocks", "fp8-windows", "kivi-2-no-sinks", "turboquant-4"])
+def test_the_tail_bound_of_a_static_launch_covers_every_length(spec, kwargs, block_n):
     """A launch sized for the capacity (`StaticLayout`, lengths on the device) deals `launch._tail_tiles`' bound of
-    tiles to its tail programs: never fewer than the tail has at any length (the split of `tiles.static_places`; KIVI's
-    keys flushed by block beside values in a FIFO window; a FIFO window each; TurboQuant's sizes)."""
+    tiles to its tail programs: never fewer than the tail has at any length, the places split as the storage splits
+    them (`StreamStorage.split`: KIVI's keys flushed by block beside values in a FIFO window; a FIFO window each;
+    TurboQuant's sizes)."""
     from hf_kvcache.kernels.launch import _tail_tiles
     from hf_kvcache.kernels.layout import StaticLayout
 
-    def places(after, ring, window):
-        packed = after if not ring else (max(after - ring, 0) if window else after // ring * ring)
-        return packed
-
+    layer = make_cache(spec, _Model(4, 2, 64), **kwargs).layers[0]
+    keys, values = layer.key_stream, layer.value_stream
     for n_new in (0, 1, 9):
-        layout = StaticLayout(length=torch.zeros((), dtype=torch.long), capacity=4096, sink_tokens=sinks,
-                              key_ring=k_ring, value_ring=v_ring, key_window=k_window, value_window=True)
+        layout = StaticLayout(length=torch.zeros((), dtype=torch.long), capacity=4096, sink_tokens=keys.sink_tokens,
+                              key_ring=keys.ring_length, value_ring=values.ring_length, key_window=keys.window,
+                              value_window=values.window)
         bound = _tail_tiles(block_n, 0, 0, 0, n_new, layout)
         for held in range(n_new, 1200):
-            n_sink = min(held, sinks)
-            after = held - n_sink
-            body = max(min(places(after, k_ring, k_window), places(after, v_ring, True), held - n_new - n_sink), 0)
+            n_sink, npk, _, _ = keys.split(held)
+            body = max(min(npk, values.split(held)[1], held - n_new - n_sink), 0)
             tiles = -(-n_sink // block_n) + -(-(held - n_sink - body // block_n * block_n) // block_n)
             assert tiles <= bound, f"{held} tokens held: {tiles} tail tiles, bound {bound}"
 
